@@ -1,0 +1,223 @@
+"""Datasets (embedded digits, MNIST IDX files, tabular .npz/.csv) and data-independent pre-processing.
+
+Loaders read from a directory the caller names; nothing is downloaded.
+Pre-processing here never looks at statistics of the data (SPEC §2: an input
+bound computed from the training data is a privacy leak).
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+__all__ = [
+    "ArrayDataset",
+    "DataSplit",
+    "load_digits",
+    "load_mnist",
+    "load_tabular",
+    "load_dataset",
+    "clip_norm",
+    "normalize_to_sphere",
+    "check_finite",
+    "read_idx",
+]
+
+
+class ArrayDataset(Dataset):
+    """In-memory ``(features, labels)`` dataset; batches are gathered in one indexing op."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        if features.shape[0] != labels.shape[0]:
+            raise ValueError(f"{features.shape[0]} feature rows but {labels.shape[0]} labels")
+        check_finite(features, "features")
+        self.features, self.labels = features, labels
+
+    def __len__(self) -> int:
+        return int(self.features.shape[0])
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.features[index], self.labels[index]
+
+    def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch in one indexing operation (used by the Poisson loader)."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return self.features[idx], self.labels[idx]
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        return tuple(self.features.shape[1:])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.labels.max().item()) + 1
+
+
+@dataclass
+class DataSplit:
+    train: ArrayDataset
+    test: ArrayDataset
+    name: str
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        return self.train.input_shape
+
+    @property
+    def num_classes(self) -> int:
+        return max(self.train.num_classes, self.test.num_classes)
+
+
+def check_finite(x: Union[torch.Tensor, np.ndarray], what: str = "data") -> None:
+    """Raise if ``x`` holds NaN or infinite values (they would void every bound)."""
+    t = torch.as_tensor(x)
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{what} contains {bad} NaN or infinite values; clean the data before private training")
+
+
+def clip_norm(x: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale every example (row) to norm ``<= max_norm``."""
+    norms = torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1).clamp_min(1e-12)
+    factor = torch.clamp(max_norm / norms, max=1.0)
+    return x * factor.reshape((-1,) + (1,) * (x.dim() - 1))
+
+
+def normalize_to_sphere(x: torch.Tensor, radius: float = 1.0) -> torch.Tensor:
+    """Scale every non-zero example to norm exactly ``radius`` (zero rows stay zero)."""
+    norms = torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
+    factor = torch.where(norms > 0, radius / norms.clamp_min(1e-12), torch.zeros_like(norms))
+    return x * factor.reshape((-1,) + (1,) * (x.dim() - 1))
+
+
+def _split(
+    x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, stratify: bool = True
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.model_selection import train_test_split
+
+    return train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y if stratify else None)
+
+
+def _to_dataset(x: np.ndarray, y: np.ndarray, shape: Optional[Sequence[int]] = None) -> ArrayDataset:
+    features = torch.as_tensor(np.ascontiguousarray(x), dtype=torch.float32)
+    if shape is not None:
+        features = features.reshape((-1,) + tuple(shape))
+    return ArrayDataset(features, torch.as_tensor(np.asarray(y), dtype=torch.long))
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplit:
+    """scikit-learn's embedded 8x8 digits (1,797 images), pixels scaled to [0, 1], shape (1, 8, 8)."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    bunch = sk_digits()
+    x = bunch.data.astype(np.float32) / 16.0
+    xtr, xte, ytr, yte = _split(x, bunch.target, test_fraction, seed)
+    return DataSplit(_to_dataset(xtr, ytr, (1, 8, 8)), _to_dataset(xte, yte, (1, 8, 8)), "digits")
+
+
+def read_idx(path: Union[str, Path]) -> np.ndarray:
+    """Read an IDX file (optionally gzip-compressed), as used by MNIST."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as fh:  # type: ignore[operator]
+        raw = fh.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise ValueError(f"{path} is not an IDX file")
+    dtype_code, ndim = raw[2], raw[3]
+    dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    if dtype_code not in dtypes:
+        raise ValueError(f"{path}: unknown IDX type code {dtype_code:#x}")
+    dims = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
+    data = np.frombuffer(raw, dtype=dtypes[dtype_code], offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: expected {int(np.prod(dims))} values, found {data.size}")
+    return data.reshape(dims)
+
+
+def _find(directory: Path, stem: str) -> Path:
+    for name in (stem + ".gz", stem, stem.replace("-idx", ".idx") + ".gz"):
+        if (directory / name).exists():
+            return directory / name
+    raise FileNotFoundError(f"no {stem}[.gz] in {directory}")
+
+
+def load_mnist(data_dir: Union[str, Path]) -> DataSplit:
+    """MNIST from the four original IDX files in ``data_dir``; pixels in [0, 1], shape (1, 28, 28)."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"MNIST directory {d} does not exist")
+    parts = []
+    for prefix in ("train", "t10k"):
+        images = read_idx(_find(d, f"{prefix}-images-idx3-ubyte")).astype(np.float32) / 255.0
+        labels = read_idx(_find(d, f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
+        parts.append(_to_dataset(images, labels, (1, 28, 28)))
+    return DataSplit(parts[0], parts[1], "mnist")
+
+
+def load_tabular(
+    path: Union[str, Path],
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    label_column: Union[int, str] = -1,
+) -> DataSplit:
+    """A tabular set: ``.npz`` with arrays ``X`` and ``y``, or ``.csv`` (header allowed; label column given).
+
+    Split 80/20 stratified by default.  Features are not standardised here
+    (standardising with data statistics is not data-independent).
+    """
+    p = Path(path)
+    if p.suffix == ".npz":
+        with np.load(p, allow_pickle=False) as arrays:
+            if "X" not in arrays or "y" not in arrays:
+                raise ValueError(f"{p} must contain arrays 'X' and 'y'")
+            x, y = arrays["X"].astype(np.float64), arrays["y"]
+    elif p.suffix == ".csv":
+        with open(p) as fh:
+            header = fh.readline().strip().split(",")
+        has_header = any(not _is_number(h) for h in header)
+        table = np.genfromtxt(p, delimiter=",", skip_header=1 if has_header else 0, dtype=np.float64)
+        table = np.atleast_2d(table)
+        col = header.index(label_column) if isinstance(label_column, str) else label_column
+        y = table[:, col]
+        x = np.delete(table, col % table.shape[1], axis=1)
+    else:
+        raise ValueError(f"unsupported tabular file {p} (use .npz with X, y or .csv)")
+    check_finite(x, f"features of {p.name}")
+    y = np.asarray(y)
+    if y.dtype.kind == "f":
+        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+            raise ValueError(f"labels of {p.name} must be integers")
+    _, y = np.unique(y.astype(np.int64), return_inverse=True)
+    xtr, xte, ytr, yte = _split(x.astype(np.float32), y, test_fraction, seed)
+    return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), p.stem)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: int = 0) -> DataSplit:
+    """``digits`` (embedded), ``mnist`` (directory of IDX files) or a path to a tabular file."""
+    if name == "digits":
+        return load_digits(seed=seed)
+    if name == "mnist":
+        if data_dir is None:
+            raise ValueError("MNIST needs --data-dir, a directory holding the IDX .gz files")
+        return load_mnist(data_dir)
+    candidate = Path(data_dir, name) if data_dir is not None else Path(name)
+    if candidate.suffix in (".npz", ".csv") and candidate.exists():
+        return load_tabular(candidate, seed=seed)
+    raise ValueError(f"unknown dataset {name!r}: use 'digits', 'mnist' or a .npz/.csv file" + (
+        f" ({candidate} not found)" if candidate.suffix in (".npz", ".csv") else ""))
+

@@ -1,0 +1,416 @@
+"""Lipschitz layers with declared, certified bounds (SPEC §2).
+
+Each layer's :meth:`layer_bound` states the constants of the SPEC §2 table;
+the dense and convolution layers compute them from the *current* weights
+(exact float64 spectral norms), so a bound never rests on a projection having
+converged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .bounds import BoundedModule, LayerBound, certified_norm, certified_spectral_norm
+
+__all__ = [
+    "InputNormClip",
+    "LipschitzLinear",
+    "LipschitzConv2d",
+    "GroupSort",
+    "MaxMin",
+    "L2NormPool2d",
+    "ScaledAvgPool2d",
+    "LayerCentering",
+    "Residual",
+    "LossGradientClip",
+    "bjorck_orthonormalize",
+]
+
+
+def _per_example_norm(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
+
+
+def _broadcast_per_example(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return values.reshape((-1,) + (1,) * (like.dim() - 1))
+
+
+@torch.no_grad()
+def bjorck_orthonormalize(weight: torch.Tensor, iters: int = 12) -> torch.Tensor:
+    """Björck–Bowie iteration ``W <- 1.5 W - 0.5 W W^T W`` towards the nearest orthonormal matrix.
+
+    The input is first scaled to spectral norm 1 (so the iteration converges).
+    The result is *not* taken as certified: layers recompute its exact norm.
+    """
+    w = weight.to(torch.float64)
+    transpose = w.shape[0] > w.shape[1]
+    if transpose:
+        w = w.T
+    norm = torch.linalg.matrix_norm(w, ord=2)
+    if norm > 0:
+        w = w / norm
+    for _ in range(iters):
+        w = 1.5 * w - 0.5 * (w @ w.T) @ w
+    if transpose:
+        w = w.T
+    return w.to(weight.dtype)
+
+
+def _project_matrix_(matrix: torch.Tensor, projection: str, scale: float, bjorck_iters: int) -> torch.Tensor:
+    """Project a matrix to spectral norm <= 1/scale ('spectral') or to orthonormal/scale ('bjorck')."""
+    if projection == "bjorck":
+        return bjorck_orthonormalize(matrix, bjorck_iters) / scale
+    norm = torch.linalg.matrix_norm(matrix.to(torch.float64), ord=2).item() * scale
+    return matrix / norm if norm > 1.0 else matrix
+
+
+def _clip_norm_(tensor: torch.Tensor, max_norm: float) -> None:
+    norm = torch.linalg.vector_norm(tensor.to(torch.float64)).item()
+    if norm > max_norm:
+        tensor.mul_(max_norm / norm)
+
+
+def _check_projection(projection: str) -> str:
+    if projection not in ("bjorck", "spectral"):
+        raise ValueError(f"projection must be 'bjorck' or 'spectral', got {projection!r}")
+    return projection
+
+
+class InputNormClip(BoundedModule):
+    """``x -> x * min(1, C/||x||)`` per example: projection on the ball, ``l = 1``, ``X -> min(X, C)``."""
+
+    def __init__(self, max_norm: float) -> None:
+        super().__init__()
+        if not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"max_norm must be positive and finite, got {max_norm}")
+        self.max_norm = float(max_norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norms = _per_example_norm(x)
+        factor = torch.clamp(self.max_norm / norms.clamp_min(1e-12), max=1.0)
+        return x * _broadcast_per_example(factor, x)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=min(x_bound, self.max_norm))
+
+    def extra_repr(self) -> str:
+        return f"max_norm={self.max_norm}"
+
+
+class LipschitzLinear(BoundedModule):
+    """Dense layer ``y = W x (+ b)`` with ``||W||_2 <= 1`` and ``||b|| <= bias_bound``.
+
+    Bounds (SPEC §2): ``l = ||W||_2`` (exact), ``X -> l X + ||b||``,
+    weight factor ``X`` (``||d(Wx)/dW||_op = ||x||``), bias factor 1.
+    ``projection='bjorck'`` keeps ``W`` orthonormal (gradient-norm preserving);
+    ``'spectral'`` only rescales when ``||W||_2 > 1``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        bias_bound: float = 1.0,
+        projection: str = "bjorck",
+        bjorck_iters: int = 12,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.projection = _check_projection(projection)
+        self.bjorck_iters = bjorck_iters
+        self.bias_bound = float(bias_bound)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        nn.init.orthogonal_(self.weight)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        self.weight.copy_(_project_matrix_(self.weight, self.projection, 1.0, self.bjorck_iters))
+        if self.bias is not None:
+            _clip_norm_(self.bias, self.bias_bound)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        lip = certified_spectral_norm(self.weight)
+        factors = {"weight": x_bound}
+        bias_norm = 0.0
+        if self.bias is not None:
+            bias_norm = certified_norm(self.bias)
+            factors["bias"] = 1.0
+        return LayerBound(lipschitz=lip, out_bound=lip * x_bound + bias_norm, param_factors=factors)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, projection={self.projection}"
+        )
+
+
+def _pair(v: Union[int, Sequence[int]]) -> Tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    a, b = v
+    return (int(a), int(b))
+
+
+class LipschitzConv2d(BoundedModule):
+    """2-D convolution with a certified operator-norm bound (SPEC §2, §2.1).
+
+    With ``W_mat`` the kernel reshaped to ``(c_out, c_in k_h k_w)`` and ``s`` the
+    number of patches an input pixel can belong to (``ceil(k_h/stride) *
+    ceil(k_w/stride)`` for zero padding, ``k_h k_w`` for circular):
+    ``||conv|| <= sqrt(s) ||W_mat||_2`` (the unfold map has norm ``<= sqrt(s)``),
+    weight factor ``sqrt(s) X``, bias factor ``sqrt(P)`` and output bound
+    ``+ sqrt(P)||b||`` for ``P`` output positions.  This reshaped-kernel bound
+    is valid for every stride/padding but loose; projections keep
+    ``sqrt(s) ||W_mat||_2 <= 1``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Union[int, Sequence[int]] = 3,
+        stride: int = 1,
+        padding: Union[int, str] = "same",
+        padding_mode: str = "zeros",
+        bias: bool = False,
+        bias_bound: float = 1.0,
+        projection: str = "spectral",
+        bjorck_iters: int = 12,
+    ) -> None:
+        super().__init__()
+        kh, kw = _pair(kernel_size)
+        if padding == "same":
+            if stride != 1 or kh % 2 == 0 or kw % 2 == 0:
+                raise ValueError("padding='same' needs stride 1 and odd kernel sizes")
+            pad: Tuple[int, int] = (kh // 2, kw // 2)
+        elif isinstance(padding, int):
+            pad = (padding, padding)
+        else:
+            raise ValueError(f"padding must be an int or 'same', got {padding!r}")
+        if padding_mode not in ("zeros", "circular"):
+            raise ValueError("padding_mode must be 'zeros' or 'circular'")
+        if stride < 1:
+            raise ValueError("stride must be >= 1")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.padding, self.padding_mode = (kh, kw), stride, pad, padding_mode
+        self.projection = _check_projection(projection)
+        self.bjorck_iters = bjorck_iters
+        self.bias_bound = float(bias_bound)
+        if padding_mode == "circular":
+            self.overlap = kh * kw
+        else:
+            self.overlap = math.ceil(kh / stride) * math.ceil(kw / stride)
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kh, kw))
+        nn.init.orthogonal_(self.weight.view(out_channels, -1))
+        with torch.no_grad():
+            self.weight.div_(math.sqrt(self.overlap))
+        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.padding_mode == "circular":
+            ph, pw = self.padding
+            x = F.pad(x, (pw, pw, ph, ph), mode="circular")
+            return F.conv2d(x, self.weight, self.bias, stride=self.stride)
+        return F.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding)
+
+    def _kernel_matrix(self) -> torch.Tensor:
+        return self.weight.reshape(self.out_channels, -1)
+
+    def output_positions(self, in_shape: Tuple[int, ...]) -> int:
+        """Number ``P`` of output positions for a per-example input shape ``(C, H, W)``."""
+        _, h, w = in_shape
+        (kh, kw), (ph, pw), s = self.kernel_size, self.padding, self.stride
+        return ((h + 2 * ph - kh) // s + 1) * ((w + 2 * pw - kw) // s + 1)
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        matrix = _project_matrix_(self._kernel_matrix(), self.projection, math.sqrt(self.overlap), self.bjorck_iters)
+        self.weight.copy_(matrix.reshape(self.weight.shape))
+        if self.bias is not None:
+            _clip_norm_(self.bias, self.bias_bound)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        root_s = math.sqrt(self.overlap)
+        lip = root_s * certified_spectral_norm(self._kernel_matrix())
+        factors = {"weight": root_s * x_bound}
+        bias_term = 0.0
+        if self.bias is not None:
+            root_p = math.sqrt(self.output_positions(in_shape))
+            factors["bias"] = root_p
+            bias_term = root_p * certified_norm(self.bias)
+        return LayerBound(lipschitz=lip, out_bound=lip * x_bound + bias_term, param_factors=factors)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, padding_mode={self.padding_mode}, bias={self.bias is not None}"
+        )
+
+
+class GroupSort(BoundedModule):
+    """Sort features in groups of ``group_size`` along ``dim`` (a permutation per input: ``l = 1``, ``X -> X``)."""
+
+    def __init__(self, group_size: int = 2, dim: int = 1) -> None:
+        super().__init__()
+        if group_size < 2:
+            raise ValueError("group_size must be >= 2")
+        if dim == 0:
+            raise ValueError("dim 0 is the batch axis")
+        self.group_size, self.dim = group_size, dim
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        dim = self.dim % x.dim()
+        n = x.shape[dim]
+        if n % self.group_size:
+            raise ValueError(f"{n} features are not divisible into groups of {self.group_size}")
+        return x.reshape(x.shape[:dim] + (n // self.group_size, self.group_size) + x.shape[dim + 1 :])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dim = self.dim % x.dim()
+        return self._grouped(x).sort(dim=dim + 1).values.reshape(x.shape)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound)
+
+    def extra_repr(self) -> str:
+        return f"group_size={self.group_size}, dim={self.dim}"
+
+
+class MaxMin(GroupSort):
+    """GroupSort with groups of two: ``(a, b) -> (max, min)``."""
+
+    def __init__(self, dim: int = 1) -> None:
+        super().__init__(2, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dim = self.dim % x.dim()
+        g = self._grouped(x)
+        a, b = g.select(dim + 1, 0), g.select(dim + 1, 1)
+        return torch.stack((torch.maximum(a, b), torch.minimum(a, b)), dim=dim + 1).reshape(x.shape)
+
+
+class L2NormPool2d(BoundedModule):
+    """Per-channel L2 norm over disjoint ``k x k`` windows: ``l = 1``, ``X -> X``.
+
+    Computed as ``sqrt(||w||^2 + eps) - sqrt(eps) <= ||w||`` so that it stays
+    differentiable at 0 without raising the output bound.
+    """
+
+    def __init__(self, kernel_size: int, eps: float = 1e-10) -> None:
+        super().__init__()
+        self.kernel_size, self.eps = int(kernel_size), float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernel_size
+        sq = F.avg_pool2d(x * x, k, stride=k) * (k * k)
+        return torch.sqrt(sq + self.eps) - math.sqrt(self.eps)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}"
+
+
+class ScaledAvgPool2d(BoundedModule):
+    """``k * avg_pool(k, stride=k)``: ``|sum w| / k <= ||w||`` per window, so ``l = 1``, ``X -> X``."""
+
+    def __init__(self, kernel_size: int) -> None:
+        super().__init__()
+        self.kernel_size = int(kernel_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernel_size
+        return F.avg_pool2d(x, k, stride=k) * k
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound)
+
+
+class LayerCentering(BoundedModule):
+    """Per-example centering ``x - mean(x)`` over ``dims`` (never the batch axis).
+
+    An orthogonal projection: ``l = 1``, ``X -> X``.  Averaging over the batch
+    axis would couple examples (SPEC §6), hence ``dims`` may not contain 0.
+    """
+
+    def __init__(self, dims: Union[int, Sequence[int], None] = None) -> None:
+        super().__init__()
+        if dims is not None:
+            dims = (dims,) if isinstance(dims, int) else tuple(dims)
+            if any(d == 0 for d in dims):
+                raise ValueError("centering over the batch axis (dim 0) couples examples")
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = self.dims if self.dims is not None else tuple(range(1, x.dim()))
+        if any(d % x.dim() == 0 for d in dims):
+            raise ValueError("centering over the batch axis (dim 0) couples examples")
+        return x - x.mean(dim=dims, keepdim=True)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound)
+
+
+class Residual(nn.Module):
+    """``y = a x + b h(x)`` (default ``(x + h(x))/2``); the bound engine treats it as split + merge.
+
+    ``l <= a + b l_h``, ``X -> a X + b out_h(X)``, and parameters inside ``h``
+    see the gradient bound ``b G``.
+    """
+
+    def __init__(self, branch: nn.Module, skip_weight: float = 0.5, branch_weight: float = 0.5) -> None:
+        super().__init__()
+        if skip_weight < 0 or branch_weight < 0:
+            raise ValueError("residual weights must be non-negative")
+        self.branch = branch
+        self.skip_weight, self.branch_weight = float(skip_weight), float(branch_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip_weight * x + self.branch_weight * self.branch(x)
+
+
+class _ClipGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, max_norm: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.max_norm = max_norm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        norms = _per_example_norm(grad)
+        factor = torch.clamp(ctx.max_norm / norms.clamp_min(1e-30), max=1.0)
+        return grad * _broadcast_per_example(factor, grad), None
+
+
+class LossGradientClip(BoundedModule):
+    """Identity forward; backward clips each example's gradient to norm ``C`` (SPEC §3.3).
+
+    Placed after the logits it turns the loss bound ``L`` into ``min(L, C)``.
+    """
+
+    def __init__(self, max_norm: float) -> None:
+        super().__init__()
+        if not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"max_norm must be positive and finite, got {max_norm}")
+        self.max_norm = float(max_norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ClipGrad.apply(x, self.max_norm)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound, grad_cap=self.max_norm)
+
+    def extra_repr(self) -> str:
+        return f"max_norm={self.max_norm}"

@@ -1,0 +1,191 @@
+"""Losses with a declared Lipschitz constant ``L`` w.r.t. the logits (SPEC §3.1).
+
+Every loss is defined *per example* (no batch statistics), so the gradient of
+each example's loss w.r.t. its own logits has norm ``<= lipschitz``.  The
+trainer sums :meth:`LipschitzLoss.per_example` over the batch; ``forward``
+applies ``reduction`` for reporting.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LipschitzLoss",
+    "TauCrossEntropy",
+    "CrossEntropyWithTemperature",
+    "BinaryCrossEntropyWithTemperature",
+    "MulticlassHinge",
+    "MulticlassKR",
+    "MulticlassHKR",
+    "KCosineSimilarity",
+]
+
+
+class LipschitzLoss(nn.Module):
+    """A per-example loss ``l(z, y)`` with ``||grad_z l|| <= lipschitz`` for all ``z, y``."""
+
+    lipschitz: float
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        self.reduction = reduction
+
+    def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        values = self.per_example(logits, target)
+        if self.reduction == "sum":
+            return values.sum()
+        if self.reduction == "mean":
+            return values.mean()
+        return values
+
+
+def _check_multiclass(logits: torch.Tensor, target: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"expected logits of shape (batch, classes), got {tuple(logits.shape)}")
+    if target.shape != logits.shape[:1]:
+        raise ValueError(f"expected integer labels of shape ({logits.shape[0]},), got {tuple(target.shape)}")
+
+
+class TauCrossEntropy(LipschitzLoss):
+    """``CE(softmax(tau z), y) / tau``; gradient ``softmax(tau z) - e_y`` has norm ``< sqrt(2)``."""
+
+    def __init__(self, tau: float = 1.0, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        if tau <= 0:
+            raise ValueError("tau must be positive")
+        self.tau = float(tau)
+        self.lipschitz = math.sqrt(2.0)
+
+    def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _check_multiclass(logits, target)
+        return F.cross_entropy(self.tau * logits, target, reduction="none") / self.tau
+
+    def extra_repr(self) -> str:
+        return f"tau={self.tau}"
+
+
+class CrossEntropyWithTemperature(LipschitzLoss):
+    """``CE(softmax(z / T), y)``; gradient ``(softmax(z/T) - e_y)/T``, ``L = sqrt(2)/T``."""
+
+    def __init__(self, temperature: float = 1.0, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        if temperature <= 0:
+            raise ValueError("temperature must be positive")
+        self.temperature = float(temperature)
+        self.lipschitz = math.sqrt(2.0) / self.temperature
+
+    def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _check_multiclass(logits, target)
+        return F.cross_entropy(logits / self.temperature, target, reduction="none")
+
+
+class BinaryCrossEntropyWithTemperature(LipschitzLoss):
+    """``-log sigmoid(s z / T)`` with ``s = +-1``; ``|d/dz| = sigmoid(-s z/T)/T < 1/T``.
+
+    Logits of shape ``(batch,)`` or ``(batch, 1)``; labels in ``{0, 1}`` or ``{-1, 1}``.
+    """
+
+    def __init__(self, temperature: float = 1.0, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        if temperature <= 0:
+            raise ValueError("temperature must be positive")
+        self.temperature = float(temperature)
+        self.lipschitz = 1.0 / self.temperature
+
+    def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 2 and logits.shape[1] == 1:
+            logits = logits[:, 0]
+        if logits.dim() != 1 or target.shape != logits.shape:
+            raise ValueError(f"expected logits (batch,) or (batch, 1) and labels (batch,), got {tuple(logits.shape)}")
+        sign = torch.where(target > 0, 1.0, -1.0).to(logits.dtype)
+        return F.softplus(-sign * logits / self.temperature)
+
+
+def _one_vs_all_signs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return 2.0 * F.one_hot(target, logits.shape[1]).to(logits.dtype) - 1.0
+
+
+class MulticlassHinge(LipschitzLoss):
+    """One-vs-all hinge (deel-lip weighting): ``[(K-1) h_y + sum_{j!=y} h_j] / (K-1)``, ``h_j = relu(m/2 - s_j z_j)``.
+
+    Gradient: ``-1`` on the true class, ``1/(K-1)`` on each active other class,
+    so ``L = sqrt(1 + 1/(K-1)) = sqrt(K/(K-1))``.
+    """
+
+    def __init__(self, num_classes: int, margin: float = 1.0, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        if num_classes < 2:
+            raise ValueError("num_classes must be >= 2")
+        self.num_classes, self.margin = int(num_classes), float(margin)
+        self.lipschitz = math.sqrt(num_classes / (num_classes - 1.0))
+
+    def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _check_multiclass(logits, target)
+        signs = _one_vs_all_signs(logits, target)
+        hinge = F.relu(self.margin / 2 - signs * logits)
+        k1 = self.num_classes - 1.0
+        weights = torch.where(signs > 0, k1, 1.0)
+        return (hinge * weights).sum(dim=1) / k1
+
+
+class MulticlassKR(LipschitzLoss):
+    """Per-example one-vs-all Kantorovich–Rubinstein loss ``-(z_y - mean_{j!=y} z_j)``.
+
+    Per-example (SPEC §6: batch class-count normalisation breaks the bound);
+    gradient ``(-1, 1/(K-1), ...)``, ``L = sqrt(K/(K-1))``.
+    """
+
+    def __init__(self, num_classes: int, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        if num_classes < 2:
+            raise ValueError("num_classes must be >= 2")
+        self.num_classes = int(num_classes)
+        self.lipschitz = math.sqrt(num_classes / (num_classes - 1.0))
+
+    def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _check_multiclass(logits, target)
+        signs = _one_vs_all_signs(logits, target)
+        weights = torch.where(signs > 0, 1.0, 1.0 / (self.num_classes - 1.0))
+        return -(signs * weights * logits).sum(dim=1)
+
+
+class MulticlassHKR(LipschitzLoss):
+    """``alpha * hinge + KR`` per example; both gradients share a sign pattern, so ``L = (1 + alpha) sqrt(K/(K-1))``."""
+
+    def __init__(self, num_classes: int, alpha: float = 10.0, margin: float = 1.0, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        if alpha < 0:
+            raise ValueError("alpha must be non-negative")
+        self.alpha = float(alpha)
+        self.hinge = MulticlassHinge(num_classes, margin, reduction="none")
+        self.kr = MulticlassKR(num_classes, reduction="none")
+        self.lipschitz = (1.0 + self.alpha) * math.sqrt(num_classes / (num_classes - 1.0))
+
+    def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.alpha * self.hinge.per_example(logits, target) + self.kr.per_example(logits, target)
+
+
+class KCosineSimilarity(LipschitzLoss):
+    """``-z_y / max(K X_min, ||z||)``; ``L = 1 / (K X_min)``."""
+
+    def __init__(self, k_coef: float = 1.0, x_min: float = 1.0, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        if k_coef <= 0 or x_min <= 0:
+            raise ValueError("k_coef and x_min must be positive")
+        self.floor = float(k_coef) * float(x_min)
+        self.lipschitz = 1.0 / self.floor
+
+    def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _check_multiclass(logits, target)
+        norms = torch.linalg.vector_norm(logits, dim=1).clamp_min(self.floor)
+        return -logits.gather(1, target[:, None])[:, 0] / norms

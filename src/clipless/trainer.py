@@ -1,0 +1,313 @@
+"""``PrivateTrainer``: the full clipless DP-SGD loop with budget, logging and checkpoints.
+
+The loop sums per-example losses of each Poisson batch (empty batches
+included), lets :class:`~clipless.optimizer.DPOptimizer` add calibrated noise,
+and stops before a step would take epsilon past the target.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .accounting import calibrate_noise_multiplier, calibrate_steps, check_delta
+from .engine import PrivacyEngine
+from .losses import LipschitzLoss
+from .noise import STRATEGIES, allocate_layer_noise
+
+__all__ = ["PrivateTrainer", "TrainResult", "evaluate"]
+
+
+@dataclass
+class TrainResult:
+    test_accuracy: Optional[float]
+    train_accuracy: float
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    effective_noise_multiplier: float
+    steps: int
+    epochs: float
+    expected_batch_size: float
+    sample_rate: float
+    sampling: str
+    accountant: str
+    strategy: str
+    seed: Optional[int]
+    wall_time_s: float
+    stopped_by_budget: bool
+    history: List[Dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, dataset: Dataset, loss: Optional[LipschitzLoss] = None, batch_size: int = 2048, device: str = "cpu"
+) -> Dict[str, float]:
+    """Accuracy (and mean loss) of ``model`` on ``dataset`` (no privacy cost: test data)."""
+    was_training = model.training
+    model.eval()
+    correct, total, loss_sum = 0, 0, 0.0
+    for x, y in DataLoader(dataset, batch_size=batch_size):
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        if logits.dim() == 2 and logits.shape[1] > 1:
+            pred = logits.argmax(dim=1)
+        else:
+            pred = (logits.reshape(-1) > 0).long()
+        correct += int((pred == y).sum())
+        total += int(y.shape[0])
+        if loss is not None:
+            loss_sum += float(loss.per_example(logits, y).sum())
+    model.train(was_training)
+    out = {"accuracy": correct / max(total, 1)}
+    if loss is not None:
+        out["loss"] = loss_sum / max(total, 1)
+    return out
+
+
+def _generator(seed: Optional[int]) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()  # fresh OS entropy
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+class PrivateTrainer:
+    """Train ``model`` with clipless DP-SGD on ``train_data`` under (``target_epsilon``, ``delta``).
+
+    Give ``target_epsilon`` (sigma is calibrated for ``epochs``), or
+    ``noise_multiplier`` (with ``target_epsilon`` too, the number of steps is
+    calibrated and training stops at the budget).  ``seed`` fixes the
+    sampling and noise generators (for experiments; the result says so).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss: LipschitzLoss,
+        train_data: Dataset,
+        *,
+        input_shape: Any,
+        batch_size: float,
+        delta: float,
+        epochs: Optional[int] = None,
+        target_epsilon: Optional[float] = None,
+        noise_multiplier: Optional[float] = None,
+        input_bound: Optional[float] = None,
+        strategy: str = "global",
+        layer_noise_multipliers: Optional[Mapping[str, float]] = None,
+        accountant: str = "pld",
+        seed: Optional[int] = None,
+        test_data: Optional[Dataset] = None,
+        device: str = "cpu",
+        progress: bool = True,
+        log: Optional[Callable[[str], None]] = print,
+        checkpoint_path: Optional[Union[str, Path]] = None,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}")
+        if target_epsilon is None and noise_multiplier is None:
+            raise ValueError("give target_epsilon, noise_multiplier, or both")
+        n = len(train_data)  # type: ignore[arg-type]
+        check_delta(delta, n)
+        self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
+        self.delta, self.target_epsilon, self.strategy = delta, target_epsilon, strategy
+        self.device, self.progress, self.log = device, progress, log
+        self.seed = seed
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.sample_rate = batch_size / n
+        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        self.privacy_engine = PrivacyEngine(accountant)
+        mechanism = self.privacy_engine.accountant.mechanism
+
+        if noise_multiplier is None:
+            if epochs is None:
+                raise ValueError("calibrating sigma to target_epsilon needs epochs")
+            sigma = calibrate_noise_multiplier(
+                target_epsilon, delta, self.sample_rate, epochs * self.steps_per_epoch, mechanism  # type: ignore[arg-type]
+            )
+        else:
+            sigma = float(noise_multiplier)
+
+        self.sampling_generator = _generator(None if seed is None else seed + 1)
+        self.model, self.optimizer, self.loader = self.privacy_engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            data=train_data,
+            loss=loss,
+            noise_multiplier=sigma,
+            input_shape=tuple(input_shape),
+            batch_size=batch_size,
+            input_bound=input_bound,
+            strategy=strategy,
+            layer_noise_multipliers=layer_noise_multipliers,
+            noise_generator=_generator(None if seed is None else seed + 2),
+            sampling_generator=self.sampling_generator,
+        )
+        if strategy == "per_layer" and noise_multiplier is None:
+            # sigma was calibrated as sigma_eff: layer multipliers (relative weights if given)
+            # are scaled to compose to it (SPEC §3.4).
+            self.optimizer.set_layer_noise(allocate_layer_noise(sigma, self.optimizer.layer_sigmas))
+        sigma_eff = self.optimizer.effective_noise_multiplier
+        self.max_steps: float = math.inf
+        if target_epsilon is not None:
+            self.max_steps = calibrate_steps(target_epsilon, delta, self.sample_rate, sigma_eff, mechanism)
+            if self.max_steps == 0:
+                raise ValueError(f"a single step at sigma_eff={sigma_eff:.4g} already exceeds epsilon={target_epsilon}")
+        if epochs is not None:
+            self.max_steps = min(self.max_steps, epochs * self.steps_per_epoch)
+        if not math.isfinite(self.max_steps):
+            raise ValueError("give epochs or target_epsilon: training would never stop")
+        self.steps = 0
+        self.epoch = 0
+        self.stopped_by_budget = False
+        self.history: List[Dict[str, float]] = []
+        self._wall = 0.0
+
+    @property
+    def accountant(self):
+        return self.privacy_engine.accountant
+
+    def epsilon(self) -> float:
+        return self.accountant.get_epsilon(self.delta)
+
+    def _train_epoch(self) -> Dict[str, float]:
+        self.model.train()
+        loss_sum, correct, seen = 0.0, 0, 0
+        batches = self.loader
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=min(len(batches), int(self.max_steps - self.steps)), desc=f"epoch {self.epoch + 1}", leave=False)
+        for x, y in batches:
+            if self.steps >= self.max_steps:
+                self.stopped_by_budget = self.target_epsilon is not None
+                break
+            x, y = x.to(self.device), y.to(self.device)
+            self.optimizer.zero_grad()
+            logits = self.model(x)
+            per_example = self.loss.per_example(logits, y)
+            per_example.sum().backward()
+            self.optimizer.step()
+            self.steps += 1
+            with torch.no_grad():
+                loss_sum += float(per_example.sum())
+                if logits.dim() == 2 and logits.shape[1] > 1:
+                    correct += int((logits.argmax(1) == y).sum())
+                else:
+                    correct += int(((logits.reshape(-1) > 0).long() == y).sum())
+                seen += int(y.shape[0])
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return {"train_loss": loss_sum / max(seen, 1), "train_accuracy": correct / max(seen, 1)}
+
+    def fit(self) -> TrainResult:
+        """Train until the planned epochs or the privacy budget run out."""
+        while self.steps < self.max_steps:
+            start = time.perf_counter()
+            stats = self._train_epoch()
+            self._wall += time.perf_counter() - start
+            self.epoch += 1
+            row = {"epoch": self.epoch, "steps": self.steps, **stats, "epsilon": self.epsilon()}
+            row["epoch_time_s"] = time.perf_counter() - start
+            if self.test_data is not None:
+                row["test_accuracy"] = evaluate(self.model, self.test_data, device=self.device)["accuracy"]
+            self.history.append(row)
+            if self.log is not None:
+                self.log(
+                    " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+                )
+            if self.checkpoint_path is not None:
+                self.save_checkpoint(self.checkpoint_path)
+        return self.result()
+
+    def result(self) -> TrainResult:
+        test_acc = self.history[-1].get("test_accuracy") if self.history else None
+        return TrainResult(
+            test_accuracy=test_acc,
+            train_accuracy=self.history[-1]["train_accuracy"] if self.history else 0.0,
+            epsilon=self.epsilon(),
+            delta=self.delta,
+            noise_multiplier=self.optimizer.noise_multiplier,
+            effective_noise_multiplier=self.optimizer.effective_noise_multiplier,
+            steps=self.steps,
+            epochs=self.steps / self.steps_per_epoch,
+            expected_batch_size=self.optimizer.expected_batch_size,
+            sample_rate=self.sample_rate,
+            sampling="poisson",
+            accountant=self.accountant.mechanism,
+            strategy=self.strategy,
+            seed=self.seed,
+            wall_time_s=self._wall,
+            stopped_by_budget=self.stopped_by_budget,
+            history=list(self.history),
+        )
+
+    # -- checkpoints ------------------------------------------------------
+    def _config(self) -> Dict[str, Any]:
+        return {
+            "sample_rate": self.sample_rate,
+            "delta": self.delta,
+            "strategy": self.strategy,
+            "layer_sigmas": dict(self.optimizer.layer_sigmas),
+            "effective_noise_multiplier": self.optimizer.effective_noise_multiplier,
+            "max_steps": self.max_steps,
+        }
+
+    def save_checkpoint(self, path: Union[str, Path]) -> None:
+        """Model, optimizer, accountant, generators and progress: everything a resume needs."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "accountant": self.accountant.state_dict(),
+            "sampling_generator": self.sampling_generator.get_state(),
+            "steps": self.steps,
+            "epoch": self.epoch,
+            "history": self.history,
+            "wall_time_s": self._wall,
+            "config": self._config(),
+        }
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+    def load_checkpoint(self, path: Union[str, Path]) -> None:
+        """Resume; refuses a checkpoint without accountant state or with another privacy configuration."""
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        accountant_state = state.get("accountant") if isinstance(state, dict) else None
+        if not accountant_state or (not accountant_state.get("history") and state.get("steps", 0) > 0):
+            raise ValueError(
+                f"checkpoint {path} has no accountant state: resuming would under-report epsilon; "
+                "restart training from scratch"
+            )
+        saved, current = state.get("config", {}), self._config()
+        for key in ("sample_rate", "delta", "strategy", "effective_noise_multiplier"):
+            if key in saved and saved[key] != current[key]:
+                raise ValueError(f"checkpoint {key}={saved[key]!r} differs from this run's {current[key]!r}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.accountant.load_state_dict(state["accountant"])
+        if self.accountant.steps != state["steps"]:
+            raise ValueError("checkpoint accountant history does not match its step count")
+        self.sampling_generator.set_state(state["sampling_generator"])
+        self.steps, self.epoch = state["steps"], state["epoch"]
+        self.history = list(state.get("history", []))
+        self._wall = state.get("wall_time_s", 0.0)
