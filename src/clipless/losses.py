@@ -134,7 +134,7 @@ class MulticlassHinge(LipschitzLoss):
         signs = _one_vs_all_signs(logits, target)
         hinge = F.relu(self.margin / 2 - signs * logits)
         k1 = self.num_classes - 1.0
-        weights = torch.where(signs > 0, k1, 1.0)
+        weights = torch.where(signs > 0, k1, 1.0).to(logits.dtype)
         return (hinge * weights).sum(dim=1) / k1
 
 
@@ -155,7 +155,8 @@ class MulticlassKR(LipschitzLoss):
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         _check_multiclass(logits, target)
         signs = _one_vs_all_signs(logits, target)
-        weights = torch.where(signs > 0, 1.0, 1.0 / (self.num_classes - 1.0))
+        one = torch.ones((), dtype=logits.dtype, device=logits.device)
+        weights = torch.where(signs > 0, one, one / (self.num_classes - 1.0))
         return -(signs * weights * logits).sum(dim=1)
 
 

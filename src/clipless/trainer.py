@@ -75,8 +75,8 @@ def evaluate(
     return out
 
 
-def _generator(seed: Optional[int]) -> torch.Generator:
-    g = torch.Generator()
+def _generator(seed: Optional[int], device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
     if seed is None:
         g.seed()  # fresh OS entropy
     else:
@@ -154,7 +154,7 @@ class PrivateTrainer:
             input_bound=input_bound,
             strategy=strategy,
             layer_noise_multipliers=layer_noise_multipliers,
-            noise_generator=_generator(None if seed is None else seed + 2),
+            noise_generator=_generator(None if seed is None else seed + 2, next(model.parameters()).device),
             sampling_generator=self.sampling_generator,
         )
         if strategy == "per_layer" and noise_multiplier is None:

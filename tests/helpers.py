@@ -1,0 +1,125 @@
+"""Independent checks used by the bound tests: true per-example gradients and measured Lipschitz constants."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from clipless.bounds import BoundEngine, BoundReport
+from clipless.losses import LipschitzLoss
+from clipless.tightness import per_example_gradient_norms
+
+TOL = 1e-5  # float32 forward/backward rounding
+
+
+def _project_ball(x: torch.Tensor, radius: float) -> torch.Tensor:
+    norms = torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1).clamp_min(1e-12)
+    return x * torch.clamp(radius / norms, max=1.0).reshape((-1,) + (1,) * (x.dim() - 1))
+
+
+def random_inputs(n: int, shape: Sequence[int], radius: float, gen: torch.Generator) -> torch.Tensor:
+    """Inputs of norm exactly ``radius`` (the worst case for the bounds) and some smaller, some sparse."""
+    x = torch.randn((n,) + tuple(shape), generator=gen)
+    x[n // 3 : n // 2] = x[n // 3 : n // 2].abs()  # non-negative, like pixels
+    x[n // 2 :: 3] *= (torch.rand((x[n // 2 :: 3].shape[0],) + (1,) * len(shape), generator=gen) < 0.2).float()
+    norms = torch.linalg.vector_norm(x.reshape(n, -1), dim=1).clamp_min(1e-12)
+    scale = torch.ones(n)
+    scale[::4] = torch.rand(len(scale[::4]), generator=gen)
+    return x * (radius * scale / norms).reshape((-1,) + (1,) * len(shape))
+
+
+def worst_gradient_ratios(
+    model: nn.Module,
+    loss: LipschitzLoss,
+    input_shape: Sequence[int],
+    radius: float,
+    num_classes: int,
+    seed: int = 0,
+    n_random: int = 24,
+    n_adversarial: int = 3,
+    ascent_steps: int = 25,
+    report: BoundReport | None = None,
+) -> Dict[str, float]:
+    """Max over random and gradient-ascent inputs of (true per-example grad norm / engine bound), per layer."""
+    gen = torch.Generator().manual_seed(seed)
+    if report is None:
+        report = BoundEngine(model, input_shape, radius, loss.lipschitz).compute()
+    worst = {layer.name: 0.0 for layer in report.layers}
+
+    def record(x: torch.Tensor, y: torch.Tensor) -> None:
+        norms = per_example_gradient_norms(model, loss, x, y, report)
+        for layer in report.layers:
+            if layer.bound > 0:
+                worst[layer.name] = max(worst[layer.name], float(norms[layer.name].max()) / layer.bound)
+            else:
+                assert float(norms[layer.name].max()) == 0.0
+
+    x = random_inputs(n_random, input_shape, radius, gen)
+    y = torch.randint(0, num_classes, (n_random,), generator=gen)
+    record(x, y)
+    params = [p for layer in report.layers for p in layer.params]
+    for trial in range(n_adversarial):
+        x = random_inputs(1, input_shape, radius, gen).requires_grad_(True)
+        y = torch.randint(0, num_classes, (1,), generator=gen)
+        opt = torch.optim.Adam([x], lr=0.05 * radius)
+        for _ in range(ascent_steps):
+            value = loss.per_example(model(x), y).sum()
+            grads = torch.autograd.grad(value, params, create_graph=True)
+            objective = sum((g**2).sum() for g in grads)
+            opt.zero_grad()
+            (-objective).backward()
+            opt.step()
+            with torch.no_grad():
+                x.copy_(_project_ball(x, radius))
+        record(x.detach(), y)
+    return worst
+
+
+def measured_lipschitz(
+    f: Callable[[torch.Tensor], torch.Tensor],
+    input_shape: Sequence[int],
+    radius: float = 1.0,
+    restarts: int = 4,
+    steps: int = 60,
+    seed: int = 0,
+) -> float:
+    """Lower bound on the Lipschitz constant of ``f``: power iteration on ``J^T J`` at random points (autograd)."""
+    gen = torch.Generator().manual_seed(seed)
+    best = 0.0
+    for _ in range(restarts):
+        x = random_inputs(1, input_shape, radius, gen)
+        v = torch.randn_like(x)
+        v /= v.norm()
+        for _ in range(steps):
+            _, jv = torch.autograd.functional.jvp(f, x, v)
+            _, jtjv = torch.autograd.functional.vjp(f, x, jv)
+            norm = jtjv.norm()
+            if norm == 0:
+                break
+            v = jtjv / norm
+        _, jv = torch.autograd.functional.jvp(f, x, v)
+        best = max(best, float(jv.norm()))
+        # finite differences catch non-smooth maps (sorting, norms) between linear pieces
+        d = 1e-3 * radius * torch.randn(x.shape, generator=gen)
+        best = max(best, float((f(x + d) - f(x)).norm() / d.norm()))
+    return best
+
+
+def project_weights(model: nn.Module, engine: BoundEngine, scale: float, gen: torch.Generator) -> None:
+    """'Trained' weights: a large random perturbation followed by the layer projections."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    engine.project_()
+
+
+def exact_linear_operator_norm(apply: Callable[[torch.Tensor], torch.Tensor], shape: Tuple[int, ...]) -> float:
+    """Spectral norm of a linear map, from its dense matrix (small shapes only)."""
+    n = math.prod(shape)
+    eye = torch.eye(n, dtype=torch.float64).reshape((n,) + tuple(shape))
+    with torch.no_grad():
+        cols = apply(eye).reshape(n, -1)
+    return float(torch.linalg.matrix_norm(cols, ord=2))

@@ -1,0 +1,237 @@
+"""Every layer's declared bounds against true per-example gradients and measured Lipschitz constants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import clipless as cl
+from clipless.bounds import BoundEngine, LayerBound
+
+from helpers import TOL, exact_linear_operator_norm, measured_lipschitz, project_weights, worst_gradient_ratios
+
+CLASSES = 4
+
+
+def head(width: int, bias: bool = False) -> list:
+    return [nn.Flatten(), cl.LipschitzLinear(width, CLASSES, bias=bias)]
+
+
+def check(model: nn.Module, shape, radius: float = 2.0, seed: int = 0, loss=None, trained: bool = True) -> dict:
+    """True per-example gradient norms never exceed the engine's bounds (random + trained weights)."""
+    torch.manual_seed(seed)
+    loss = loss or cl.TauCrossEntropy(tau=4.0)
+    engine = BoundEngine(model, shape, radius, loss.lipschitz)
+    engine.project_()
+    results = {}
+    for phase in ("random", "trained") if trained else ("random",):
+        if phase == "trained":
+            project_weights(model, engine, 0.5, torch.Generator().manual_seed(seed + 7))
+        worst = worst_gradient_ratios(model, loss, shape, radius, CLASSES, seed=seed, report=engine.compute())
+        for name, ratio in worst.items():
+            assert ratio <= 1 + TOL, f"{phase} weights: layer {name} gradient {ratio:.6f} x its bound"
+        results[phase] = worst
+    return results
+
+
+def test_dense_mlp_bounds_hold_and_are_tight():
+    model = nn.Sequential(nn.Flatten(), cl.LipschitzLinear(12, 16), cl.MaxMin(), cl.LipschitzLinear(16, CLASSES))
+    worst = check(model, (12,))
+    # Orthogonal layers and MaxMin preserve gradient norms: the bound is nearly attained.
+    assert max(worst["random"].values()) > 0.5
+
+
+@pytest.mark.parametrize("projection", ["bjorck", "spectral"])
+def test_dense_with_bias_bounds(projection):
+    model = nn.Sequential(
+        cl.LipschitzLinear(10, 8, bias=True, bias_bound=0.7, projection=projection),
+        cl.GroupSort(4),
+        cl.LipschitzLinear(8, CLASSES, bias=True, projection=projection),
+    )
+    check(model, (10,), radius=1.5)
+
+
+def test_input_norm_clip_sets_input_bound():
+    model = nn.Sequential(cl.InputNormClip(0.5), cl.LipschitzLinear(6, CLASSES))
+    # The engine is told inputs up to 3.0; the clip makes 0.5 the bound of the dense input.
+    report = BoundEngine(model, (6,), 3.0, math.sqrt(2)).compute()
+    assert report.layers[0].input_bound == 0.5
+    check(model, (6,), radius=3.0)
+
+
+conv_configs = st.fixed_dictionaries(
+    {
+        "cin": st.integers(1, 3),
+        "cout": st.integers(1, 4),
+        "k": st.sampled_from([1, 2, 3, 5]),
+        "stride": st.integers(1, 3),
+        "mode": st.sampled_from(["zeros", "circular"]),
+        "bias": st.booleans(),
+        "size": st.integers(4, 7),
+        "seed": st.integers(0, 1000),
+    }
+)
+
+
+def _conv(c) -> cl.LipschitzConv2d:
+    return cl.LipschitzConv2d(
+        c["cin"], c["cout"], c["k"], stride=c["stride"], padding=c["k"] // 2, padding_mode=c["mode"], bias=c["bias"]
+    )
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conv_configs)
+def test_conv_gradient_bounds_property(c):
+    torch.manual_seed(c["seed"])
+    conv = _conv(c)
+    shape = (c["cin"], c["size"], c["size"])
+    out_shape = conv(torch.zeros((1,) + shape)).shape[1:]
+    model = nn.Sequential(conv, *head(math.prod(out_shape), bias=True))
+    check(model, shape, radius=1.0, seed=c["seed"], trained=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(conv_configs)
+def test_conv_declared_lipschitz_above_true_operator_norm(c):
+    """Declared ``l`` >= exact operator norm (dense matrix of the linear map), for random and projected kernels."""
+    torch.manual_seed(c["seed"])
+    conv = _conv(c)
+    conv.bias = None
+    shape = (c["cin"], c["size"], c["size"])
+    for phase in range(2):
+        if phase:
+            with torch.no_grad():
+                conv.weight.mul_(3.0).add_(torch.randn_like(conv.weight))
+            conv.project_()
+        declared = conv.layer_bound(1.0, shape).lipschitz
+        weight = conv.weight.detach().double()
+
+        def apply(x: torch.Tensor) -> torch.Tensor:
+            if conv.padding_mode == "circular":
+                ph, pw = conv.padding
+                return F.conv2d(F.pad(x, (pw, pw, ph, ph), mode="circular"), weight, stride=conv.stride)
+            return F.conv2d(x, weight, stride=conv.stride, padding=conv.padding)
+
+        true_norm = exact_linear_operator_norm(apply, shape)
+        assert declared >= true_norm * (1 - 1e-9), (declared, true_norm)
+        if phase:
+            assert declared <= 1 + 1e-6  # projection keeps the layer 1-Lipschitz
+
+
+def test_dense_declared_lipschitz_is_exact_spectral_norm():
+    layer = cl.LipschitzLinear(9, 7, projection="spectral")
+    with torch.no_grad():
+        layer.weight.mul_(5.0)
+    declared = layer.layer_bound(1.0, (9,)).lipschitz
+    true = float(torch.linalg.svdvals(layer.weight.detach().double()).max())
+    assert declared >= true and declared <= true * (1 + 1e-6)
+    assert measured_lipschitz(layer, (9,)) <= declared * (1 + TOL)
+    layer.project_()
+    assert layer.layer_bound(1.0, (9,)).lipschitz <= 1 + 1e-6
+
+
+def test_bjorck_projection_is_orthonormal():
+    layer = cl.LipschitzLinear(20, 8)
+    with torch.no_grad():
+        layer.weight.add_(0.3 * torch.randn_like(layer.weight))
+    layer.project_()
+    s = torch.linalg.svdvals(layer.weight.double())
+    assert torch.allclose(s, torch.ones_like(s), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "layer,shape",
+    [
+        (cl.MaxMin(), (6,)),
+        (cl.GroupSort(3), (6,)),
+        (cl.MaxMin(), (4, 3, 3)),
+        (cl.L2NormPool2d(2), (2, 4, 4)),
+        (cl.L2NormPool2d(3), (1, 7, 7)),  # border dropped
+        (cl.ScaledAvgPool2d(2), (2, 4, 4)),
+        (cl.LayerCentering(), (2, 3, 3)),
+        (cl.LayerCentering(dims=1), (4, 3, 3)),
+        (cl.InputNormClip(0.7), (5,)),
+        (nn.Flatten(), (2, 3, 3)),
+        (nn.ReLU(), (7,)),
+    ],
+)
+def test_parameter_free_layers(layer, shape):
+    """Declared ``l = 1`` and ``out_bound`` against measurement; used inside a model, gradients stay bounded."""
+    lb: LayerBound = layer.layer_bound(2.0, shape) if isinstance(layer, cl.BoundedModule) else None
+    lip = lb.lipschitz if lb else 1.0
+    assert measured_lipschitz(layer, shape, radius=2.0) <= lip * (1 + TOL)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        x = torch.randn((8,) + shape, generator=gen)
+        x = 2.0 * x / torch.linalg.vector_norm(x.reshape(8, -1), dim=1).reshape((-1,) + (1,) * len(shape))
+        out = torch.linalg.vector_norm(layer(x).reshape(8, -1), dim=1).max()
+        assert out <= (lb.out_bound if lb else 2.0) * (1 + TOL)
+    width = math.prod(layer(torch.zeros((1,) + shape)).shape[1:])
+    model = nn.Sequential(cl.LipschitzLinear(math.prod(shape), math.prod(shape)), nn.Unflatten(1, shape), layer, *head(width))
+    model = nn.Sequential(nn.Flatten(), *model)
+    check(model, shape, radius=2.0, trained=False)
+
+
+def test_residual_block_bounds():
+    branch = nn.Sequential(cl.LipschitzLinear(8, 8), cl.MaxMin(), cl.LipschitzLinear(8, 8))
+    model = nn.Sequential(
+        cl.LipschitzLinear(6, 8), cl.Residual(branch), cl.MaxMin(), cl.Residual(nn.Sequential(cl.LipschitzLinear(8, 8)), 0.3, 0.7),
+        cl.LipschitzLinear(8, CLASSES),
+    )
+    check(model, (6,))
+    engine = BoundEngine(model, (6,), 1.0, 1.0)
+    assert measured_lipschitz(model, (6,)) <= engine.lipschitz_constant() * (1 + TOL)
+
+
+def test_residual_with_bias_output_bound():
+    branch = nn.Sequential(cl.LipschitzLinear(5, 5, bias=True, bias_bound=2.0))
+    model = nn.Sequential(cl.Residual(branch, 1.0, 1.0), cl.LipschitzLinear(5, CLASSES, bias=True))
+    with torch.no_grad():
+        branch[0].bias.copy_(torch.full((5,), 0.8))
+    check(model, (5,), radius=1.0, trained=False)
+
+
+def test_loss_gradient_clip_caps_the_bound():
+    base = [nn.Flatten(), cl.LipschitzLinear(8, 8), cl.MaxMin(), cl.LipschitzLinear(8, CLASSES)]
+    clipped = nn.Sequential(*base, cl.LossGradientClip(0.3))
+    loss = cl.TauCrossEntropy(1.0)
+    report = BoundEngine(clipped, (8,), 1.0, loss.lipschitz).compute()
+    assert all(abs(layer.grad_out_bound - 0.3) < 1e-6 for layer in report.layers)
+    check(clipped, (8,), radius=1.0, loss=loss)
+
+
+def test_cnn_model_bounds():
+    model = cl.lipschitz_cnn((1, 8, 8), CLASSES, channels=(4, 6), input_clip=1.0)
+    check(model, (1, 8, 8), radius=3.0)
+
+
+def test_checker_detects_an_understated_bound():
+    """The same check fails on a conv declaring factor 1 instead of sqrt(s) (the SPEC §6 pitfall)."""
+
+    class Understated(cl.LipschitzConv2d):
+        def layer_bound(self, x_bound, in_shape):
+            lb = super().layer_bound(x_bound, in_shape)
+            return LayerBound(lb.lipschitz, lb.out_bound, {"weight": x_bound})
+
+    torch.manual_seed(0)
+    conv = Understated(1, 2, 3)
+    # Pooling the whole map makes the output gradient constant over positions, where sqrt(s) is attained.
+    model = nn.Sequential(conv, cl.ScaledAvgPool2d(6), *head(2))
+    with pytest.raises(AssertionError, match="gradient"):
+        check(model, (1, 6, 6), radius=1.0, trained=False)
+
+
+def test_model_lipschitz_constant_bounds_measurement():
+    model = cl.lipschitz_mlp((1, 6, 6), CLASSES, hidden=(16, 16))
+    engine = BoundEngine(model, (1, 6, 6), 1.0, 1.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    engine.project_()
+    assert measured_lipschitz(model, (1, 6, 6), restarts=6) <= engine.lipschitz_constant() * (1 + TOL)
