@@ -16,7 +16,7 @@ TOL = 1e-5  # float32 forward/backward rounding
 
 
 def _project_ball(x: torch.Tensor, radius: float) -> torch.Tensor:
-    norms = torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1).clamp_min(1e-12)
+    norms = torch.linalg.vector_norm(x.flatten(1), dim=1).clamp_min(1e-12)
     return x * torch.clamp(radius / norms, max=1.0).reshape((-1,) + (1,) * (x.dim() - 1))
 
 

@@ -86,14 +86,14 @@ def check_finite(x: Union[torch.Tensor, np.ndarray], what: str = "data") -> None
 
 def clip_norm(x: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Scale every example (row) to norm ``<= max_norm``."""
-    norms = torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1).clamp_min(1e-12)
+    norms = torch.linalg.vector_norm(x.flatten(1), dim=1).clamp_min(1e-12)
     factor = torch.clamp(max_norm / norms, max=1.0)
     return x * factor.reshape((-1,) + (1,) * (x.dim() - 1))
 
 
 def normalize_to_sphere(x: torch.Tensor, radius: float = 1.0) -> torch.Tensor:
     """Scale every non-zero example to norm exactly ``radius`` (zero rows stay zero)."""
-    norms = torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
+    norms = torch.linalg.vector_norm(x.flatten(1), dim=1)
     factor = torch.where(norms > 0, radius / norms.clamp_min(1e-12), torch.zeros_like(norms))
     return x * factor.reshape((-1,) + (1,) * (x.dim() - 1))
 

@@ -33,7 +33,7 @@ __all__ = [
 
 
 def _per_example_norm(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
+    return torch.linalg.vector_norm(x.flatten(1), dim=1)
 
 
 def _broadcast_per_example(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ class InputGuard:
         if x.is_floating_point() and not torch.isfinite(x).all():
             raise BoundError("input contains NaN or infinite values")
         if module.training and self.data_bound is not None and x.shape[0] > 0:
-            largest = torch.linalg.vector_norm(x.reshape(x.shape[0], -1).double(), dim=1).max().item()
+            largest = torch.linalg.vector_norm(x.flatten(1).double(), dim=1).max().item()
             if largest > self.data_bound * (1 + 1e-6):
                 raise BoundError(
                     f"an input has norm {largest:.6g} > declared input_bound {self.data_bound:.6g}: the "

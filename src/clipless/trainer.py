@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .accounting import calibrate_noise_multiplier, calibrate_steps, check_delta
+from .accounting import calibrate_noise_multiplier, calibrate_steps, check_delta, compute_epsilon
 from .engine import PrivacyEngine
 from .losses import LipschitzLoss
 from .noise import STRATEGIES, allocate_layer_noise
@@ -163,12 +163,19 @@ class PrivateTrainer:
             self.optimizer.set_layer_noise(allocate_layer_noise(sigma, self.optimizer.layer_sigmas))
         sigma_eff = self.optimizer.effective_noise_multiplier
         self.max_steps: float = math.inf
+        planned = epochs * self.steps_per_epoch if epochs is not None else None
         if target_epsilon is not None:
-            self.max_steps = calibrate_steps(target_epsilon, delta, self.sample_rate, sigma_eff, mechanism)
-            if self.max_steps == 0:
-                raise ValueError(f"a single step at sigma_eff={sigma_eff:.4g} already exceeds epsilon={target_epsilon}")
-        if epochs is not None:
-            self.max_steps = min(self.max_steps, epochs * self.steps_per_epoch)
+            within = planned is not None and (
+                compute_epsilon(sigma_eff, self.sample_rate, planned, delta, mechanism) <= target_epsilon
+            )
+            if not within:  # the budget, not the epochs, decides when to stop
+                self.max_steps = calibrate_steps(target_epsilon, delta, self.sample_rate, sigma_eff, mechanism)
+                if self.max_steps == 0:
+                    raise ValueError(
+                        f"a single step at sigma_eff={sigma_eff:.4g} already exceeds epsilon={target_epsilon}"
+                    )
+        if planned is not None:
+            self.max_steps = min(self.max_steps, planned)
         if not math.isfinite(self.max_steps):
             raise ValueError("give epochs or target_epsilon: training would never stop")
         self.steps = 0

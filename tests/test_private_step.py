@@ -1,0 +1,115 @@
+"""The private step: noise scale, division by the expected batch, Poisson sampling, strategies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import clipless as cl
+
+SHAPE = (1, 4, 4)
+
+
+def small_setup(strategy="global", noise=1.0, batch_size=8.0, lr=0.0, layer_noise=None):
+    torch.manual_seed(0)
+    x = torch.rand(64, *SHAPE)
+    y = torch.randint(0, 3, (64,))
+    data = cl.ArrayDataset(x, y)
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=2.0)
+    loss = cl.TauCrossEntropy(4.0)
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data=data, loss=loss,
+        noise_multiplier=noise, input_shape=SHAPE, batch_size=batch_size, strategy=strategy,
+        layer_noise_multipliers=layer_noise, noise_generator=torch.Generator().manual_seed(1),
+    )
+    return model, opt, loader, loss, engine, data
+
+
+def test_noise_std_matches_global_sensitivity():
+    model, opt, _, loss, _, _ = small_setup(noise=2.0, batch_size=8.0)
+    draws = []
+    for _ in range(200):
+        opt.zero_grad()  # no backward: the released gradient is pure noise
+        opt.step()
+        draws.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    std = torch.stack(draws).std().item()
+    # two 1-Lipschitz dense layers, X0 = 2, L = sqrt(2): g_d = 2 sqrt(2), Delta = sqrt(2) * 2 sqrt(2) = 4
+    expected = 2.0 * 4.0 / 8.0
+    assert opt.last_report.global_sensitivity == pytest.approx(4.0, rel=1e-6)
+    assert std == pytest.approx(expected, rel=0.02)
+
+
+def test_per_layer_noise_and_effective_sigma():
+    model, opt, _, _, _, _ = small_setup(strategy="per_layer", noise=2.0)
+    assert opt.effective_noise_multiplier == pytest.approx(2.0 / math.sqrt(2))
+    names = list(opt.layer_sigmas)
+    opt.set_layer_noise({names[0]: 1.0, names[1]: 4.0})
+    assert opt.effective_noise_multiplier == pytest.approx((1 + 4**-2) ** -0.5)
+    draws = {n: [] for n in names}
+    for _ in range(200):
+        opt.zero_grad()
+        opt.step()
+        for layer in opt.last_report.layers:
+            draws[layer.name].append(torch.cat([p.grad.flatten() for p in layer.params]))
+    for name, sigma in zip(names, (1.0, 4.0)):
+        expected = sigma * 2 * math.sqrt(2) / 8.0
+        assert torch.stack(draws[name]).std().item() == pytest.approx(expected, rel=0.03)
+
+
+def test_summed_gradient_divided_by_expected_batch_size():
+    model, opt, _, loss, _, data = small_setup(noise=1e-12, batch_size=8.0)
+    x, y = data.features[:5], data.labels[:5]  # a realised batch of 5, expected 8
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    summed = [p.grad.clone() for p in model.parameters()]
+    opt.step()  # lr = 0: grads stay for inspection
+    for p, s in zip(model.parameters(), summed):
+        assert torch.allclose(p.grad, s / 8.0, atol=1e-9)
+
+
+def test_accountant_steps_once_per_step_with_effective_sigma():
+    _, opt, _, _, engine, _ = small_setup(noise=1.3, batch_size=8.0)
+    for _ in range(5):
+        opt.zero_grad()
+        opt.step()
+    assert engine.accountant.history == [(1.3, 8.0 / 64, 5)]
+
+
+def test_poisson_sampler_statistics_and_empty_batches():
+    gen = torch.Generator().manual_seed(0)
+    sampler = cl.PoissonBatchSampler(1000, 0.05, generator=gen)
+    assert len(sampler) == 20
+    sizes = [len(b) for _ in range(20) for b in sampler]
+    assert abs(sum(sizes) / len(sizes) - 50) < 1.5
+    assert len(set(sizes)) > 5  # random sizes, not fixed batches
+    tiny = cl.PoissonBatchSampler(10, 0.05, steps_per_epoch=200, generator=gen)
+    assert any(len(b) == 0 for b in tiny)
+
+
+def test_empty_batch_is_a_full_private_step():
+    model, opt, loader, loss, engine, data = small_setup(batch_size=0.2)  # q = 0.2/64: mostly empty
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = next(iter(cl.poisson_data_loader(data, 1e-9)))
+    assert x.shape == (0,) + SHAPE and y.shape == (0,)
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+    # SGD with lr 0 keeps weights; noise was still drawn and released
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_projection_after_step_keeps_layers_1_lipschitz():
+    model, opt, _, loss, _, data = small_setup(noise=50.0, lr=1.0)
+    for _ in range(3):
+        opt.zero_grad()
+        loss.per_example(model(data.features[:8]), data.labels[:8]).sum().backward()
+        opt.step()
+    for m in model.modules():
+        if isinstance(m, cl.LipschitzLinear):
+            assert torch.linalg.matrix_norm(m.weight.detach().double(), 2) <= 1 + 1e-5

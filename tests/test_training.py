@@ -1,0 +1,97 @@
+"""End to end: private training on real data, budget stop, checkpoint/resume, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import clipless as cl
+from clipless.cli import main
+
+
+def digits_trainer(epochs=4, seed=0, **kw):
+    torch.manual_seed(seed)
+    data = cl.load_digits(seed=0)
+    model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(64, 64))
+    args = dict(input_shape=data.input_shape, batch_size=256, delta=1e-5, epochs=epochs, target_epsilon=3.0,
+                input_bound=8.0, seed=seed, test_data=data.test, progress=False, log=None)
+    args.update(kw)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    return cl.PrivateTrainer(model, opt, cl.TauCrossEntropy(8.0), data.train, **args)
+
+
+def test_digits_private_training_learns_within_budget():
+    trainer = digits_trainer(epochs=15)
+    result = trainer.fit()
+    assert result.epsilon <= 3.0
+    assert result.epsilon > 2.9  # the calibrated sigma spends the budget
+    assert result.test_accuracy > 0.5  # chance is 0.1
+    assert result.sampling == "poisson" and result.seed == 0
+    assert len(result.history) == 15
+
+
+def test_training_stops_at_the_budget():
+    trainer = digits_trainer(epochs=1000, target_epsilon=1.0, noise_multiplier=3.0, accountant="rdp")
+    result = trainer.fit()
+    assert result.stopped_by_budget
+    assert result.epsilon <= 1.0
+    assert cl.compute_epsilon(3.0, trainer.sample_rate, result.steps + 1, 1e-5, "rdp") > 1.0
+
+
+def test_per_layer_strategy_composes_to_calibrated_sigma():
+    trainer = digits_trainer(epochs=2, strategy="per_layer")
+    sigmas = list(trainer.optimizer.layer_sigmas.values())
+    assert len(sigmas) == 3
+    assert cl.effective_noise_multiplier(sigmas) == pytest.approx(trainer.optimizer.effective_noise_multiplier)
+    result = trainer.fit()
+    assert result.epsilon <= 3.0
+
+
+def test_checkpoint_resume_continues_exactly(tmp_path):
+    straight = digits_trainer(epochs=4)
+    straight.fit()
+    first = digits_trainer(epochs=4)
+    first.max_steps = 2 * first.steps_per_epoch  # stop halfway, as an interrupted run would
+    first.fit()
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    resumed = digits_trainer(epochs=4, seed=0)
+    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    assert resumed.accountant.steps == 2 * resumed.steps_per_epoch
+    result = resumed.fit()
+    assert result.steps == straight.steps
+    assert result.epsilon == pytest.approx(straight.epsilon(), rel=1e-12)
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_mnist_smoke(shared_data):
+    data = cl.load_mnist(shared_data / "mnist")
+    torch.manual_seed(0)
+    model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(128,), input_clip=8.0)
+    trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3), cl.TauCrossEntropy(8.0),
+                                data.train, input_shape=data.input_shape, batch_size=2048, delta=1e-5, epochs=1,
+                                target_epsilon=1.0, seed=0, test_data=data.test, progress=False, log=None,
+                                accountant="rdp")
+    result = trainer.fit()
+    assert result.epsilon <= 1.0
+    assert result.test_accuracy > 0.7
+
+
+def test_cli_with_flags_and_yaml(tmp_path):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump({"epochs": 2, "hidden": [32], "epsilon": 2.0, "accountant": "rdp"}))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--output-dir", str(out), "--no-progress", "--batch-size", "128"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["epsilon"] <= 2.0 and result["config"]["epochs"] == 2 and result["config"]["batch_size"] == 128
+    for key in ("test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "wall_time_s"):
+        assert key in result
+    assert (out / "checkpoint.pt").exists()
+    # resume from the finished run: no further steps, same epsilon
+    assert main(["train", "--config", str(config), "--output-dir", str(out), "--no-progress", "--batch-size", "128",
+                 "--resume"]) == 0
+    again = json.loads((out / "result.json").read_text())
+    assert again["steps"] == result["steps"] and again["epsilon"] == pytest.approx(result["epsilon"])
