@@ -9,7 +9,7 @@ converged.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -168,9 +168,11 @@ class LipschitzConv2d(BoundedModule):
     """2-D convolution with a certified operator-norm bound (SPEC §2, §2.1).
 
     With ``W_mat`` the kernel reshaped to ``(c_out, c_in k_h k_w)`` and ``s`` the
-    number of patches an input pixel can belong to (``ceil(k_h/stride) *
-    ceil(k_w/stride)`` for zero padding, ``k_h k_w`` for circular):
-    ``||conv|| <= sqrt(s) ||W_mat||_2`` (the unfold map has norm ``<= sqrt(s)``),
+    largest number of (patch, kernel offset) pairs that read one input pixel
+    (counted exactly for the input size; at most ``ceil(k_h/stride) *
+    ceil(k_w/stride)`` with zero padding, more with circular padding on small
+    inputs where patches wrap around): the unfold map ``U`` has
+    ``U^T U = diag(counts)``, so ``||conv|| <= ||U|| ||W_mat||_2 = sqrt(s) ||W_mat||_2``,
     weight factor ``sqrt(s) X``, bias factor ``sqrt(P)`` and output bound
     ``+ sqrt(P)||b||`` for ``P`` output positions.  This reshaped-kernel bound
     is valid for every stride/padding but loose; projections keep
@@ -209,10 +211,9 @@ class LipschitzConv2d(BoundedModule):
         self.projection = _check_projection(projection)
         self.bjorck_iters = bjorck_iters
         self.bias_bound = float(bias_bound)
-        if padding_mode == "circular":
-            self.overlap = kh * kw
-        else:
-            self.overlap = math.ceil(kh / stride) * math.ceil(kw / stride)
+        # Shape-free default used until the input size is seen (exact for zero padding on large inputs).
+        self.overlap = math.ceil(kh / stride) * math.ceil(kw / stride)
+        self._spatial: Optional[Tuple[int, int]] = None
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kh, kw))
         nn.init.orthogonal_(self.weight.view(out_channels, -1))
         with torch.no_grad():
@@ -220,6 +221,7 @@ class LipschitzConv2d(BoundedModule):
         self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._spatial = (int(x.shape[-2]), int(x.shape[-1]))
         if self.padding_mode == "circular":
             ph, pw = self.padding
             x = F.pad(x, (pw, pw, ph, ph), mode="circular")
@@ -235,15 +237,24 @@ class LipschitzConv2d(BoundedModule):
         (kh, kw), (ph, pw), s = self.kernel_size, self.padding, self.stride
         return ((h + 2 * ph - kh) // s + 1) * ((w + 2 * pw - kw) // s + 1)
 
+    def overlap_for(self, in_shape: Tuple[int, ...]) -> int:
+        """Exact ``s``: max over input pixels of the number of (patch, offset) pairs reading it."""
+        h, w = in_shape[-2], in_shape[-1]
+        circular = self.padding_mode == "circular"
+        return _max_reads(h, self.kernel_size[0], self.stride, self.padding[0], circular) * _max_reads(
+            w, self.kernel_size[1], self.stride, self.padding[1], circular
+        )
+
     @torch.no_grad()
     def project_(self) -> None:
-        matrix = _project_matrix_(self._kernel_matrix(), self.projection, math.sqrt(self.overlap), self.bjorck_iters)
+        overlap = self.overlap_for(self._spatial) if self._spatial is not None else self.overlap
+        matrix = _project_matrix_(self._kernel_matrix(), self.projection, math.sqrt(overlap), self.bjorck_iters)
         self.weight.copy_(matrix.reshape(self.weight.shape))
         if self.bias is not None:
             _clip_norm_(self.bias, self.bias_bound)
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
-        root_s = math.sqrt(self.overlap)
+        root_s = math.sqrt(self.overlap_for(in_shape))
         lip = root_s * certified_spectral_norm(self._kernel_matrix())
         factors = {"weight": root_s * x_bound}
         bias_term = 0.0
@@ -258,6 +269,20 @@ class LipschitzConv2d(BoundedModule):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, padding_mode={self.padding_mode}, bias={self.bias is not None}"
         )
+
+
+def _max_reads(n: int, k: int, stride: int, pad: int, circular: bool) -> int:
+    """1-D: the most times one of ``n`` input positions is read by ``k``-wide patches (zero or circular padding)."""
+    n_out = (n + 2 * pad - k) // stride + 1
+    counts = [0] * n
+    for p in range(max(n_out, 0)):
+        for o in range(k):
+            j = p * stride + o - pad
+            if circular:
+                counts[j % n] += 1
+            elif 0 <= j < n:
+                counts[j] += 1
+    return max(max(counts), 1)
 
 
 class GroupSort(BoundedModule):

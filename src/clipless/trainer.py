@@ -7,6 +7,7 @@ and stops before a step would take epsilon past the target.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .accounting import calibrate_noise_multiplier, calibrate_steps, check_delta, compute_epsilon
+from .bounds import BoundedModule
 from .engine import PrivacyEngine
 from .losses import LipschitzLoss
 from .noise import STRATEGIES, allocate_layer_noise
@@ -116,6 +118,7 @@ class PrivateTrainer:
         progress: bool = True,
         log: Optional[Callable[[str], None]] = print,
         checkpoint_path: Optional[Union[str, Path]] = None,
+        average_decay: Optional[float] = None,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}")
@@ -182,7 +185,30 @@ class PrivateTrainer:
         self.epoch = 0
         self.stopped_by_budget = False
         self.history: List[Dict[str, float]] = []
+        # Exponential moving average of the released iterates: post-processing, no privacy cost.
+        if average_decay is not None and not (0.0 < average_decay < 1.0):
+            raise ValueError("average_decay must be in (0, 1)")
+        self.average_decay = average_decay
+        self.averaged_model: Optional[nn.Module] = copy.deepcopy(self.model) if average_decay else None
+        if self.averaged_model is not None:
+            self.averaged_model._forward_pre_hooks.clear()  # the input guard belongs to the trained model
         self._wall = 0.0
+
+    @torch.no_grad()
+    def _update_average(self) -> None:
+        decay = self.average_decay
+        for avg, p in zip(self.averaged_model.parameters(), self.model.parameters()):  # type: ignore[union-attr]
+            avg.mul_(decay).add_(p, alpha=1 - decay)
+
+    def eval_model(self) -> nn.Module:
+        """The model to evaluate and ship: the projected average of the iterates when averaging, else the model."""
+        if self.averaged_model is None:
+            return self.model
+        model = copy.deepcopy(self.averaged_model)
+        for m in model.modules():
+            if isinstance(m, BoundedModule):
+                m.project_()  # an average of feasible weights is re-projected to stay 1-Lipschitz
+        return model
 
     @property
     def accountant(self):
@@ -210,6 +236,8 @@ class PrivateTrainer:
             per_example = self.loss.per_example(logits, y)
             per_example.sum().backward()
             self.optimizer.step()
+            if self.averaged_model is not None:
+                self._update_average()
             self.steps += 1
             with torch.no_grad():
                 loss_sum += float(per_example.sum())
@@ -234,7 +262,7 @@ class PrivateTrainer:
             row = {"epoch": self.epoch, "steps": self.steps, **stats, "epsilon": self.epsilon()}
             row["epoch_time_s"] = time.perf_counter() - start
             if self.test_data is not None:
-                row["test_accuracy"] = evaluate(self.model, self.test_data, device=self.device)["accuracy"]
+                row["test_accuracy"] = evaluate(self.eval_model(), self.test_data, device=self.device)["accuracy"]
             self.history.append(row)
             if self.log is not None:
                 self.log(
@@ -283,6 +311,7 @@ class PrivateTrainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
             "model": self.model.state_dict(),
+            "averaged_model": self.averaged_model.state_dict() if self.averaged_model is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "accountant": self.accountant.state_dict(),
             "sampling_generator": self.sampling_generator.get_state(),
@@ -310,6 +339,10 @@ class PrivateTrainer:
             if key in saved and saved[key] != current[key]:
                 raise ValueError(f"checkpoint {key}={saved[key]!r} differs from this run's {current[key]!r}")
         self.model.load_state_dict(state["model"])
+        if self.averaged_model is not None:
+            if state.get("averaged_model") is None:
+                raise ValueError("checkpoint has no averaged model but this run averages iterates")
+            self.averaged_model.load_state_dict(state["averaged_model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.accountant.load_state_dict(state["accountant"])
         if self.accountant.steps != state["steps"]:
