@@ -10,13 +10,12 @@ the planned epochs end at the target, delta = 1e-5, Poisson sampling.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
 import clipless as cl
+from report import print_table, write_json
 
 
 def run(data, epsilon: float, args) -> dict:
@@ -62,17 +61,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     data = cl.load_mnist(args.data_dir)
     rows = [run(data, eps, args) for eps in args.epsilons]
-    header = f"{'target eps':>10} {'epsilon':>8} {'sigma':>7} {'steps':>6} {'test acc':>9} {'s/epoch':>8} {'total s':>8}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['target_epsilon']:10.2f} {r['epsilon']:8.4f} {r['sigma']:7.3f} {r['steps']:6d} "
-              f"{r['test_accuracy']:9.4f} {r['seconds_per_epoch']:8.2f} {r['total_seconds']:8.1f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    print_table(
+        f"{'target eps':>10} {'epsilon':>8} {'sigma':>7} {'steps':>6} {'test acc':>9} {'s/epoch':>8} {'total s':>8}",
+        [
+            f"{r['target_epsilon']:10.2f} {r['epsilon']:8.4f} {r['sigma']:7.3f} {r['steps']:6d} "
+            f"{r['test_accuracy']:9.4f} {r['seconds_per_epoch']:8.2f} {r['total_seconds']:8.1f}"
+            for r in rows
+        ],
+    )
     config = {k: v for k, v in vars(args).items() if k not in ("progress", "verbose")}
-    out.write_text(json.dumps({"config": config, "torch": torch.__version__, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, {"config": config, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -11,16 +11,15 @@ Three steps, each timed as the median of many repetitions after warm-up:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import clipless as cl
 from clipless.bounds import BoundEngine
 from clipless.noise import add_noise_
+from report import print_table, write_json
 
 
 def build(model_name: str):
@@ -85,16 +84,15 @@ def main() -> None:
                  (("plain", plain), ("projected", projected), ("private", private))}
             rows.append({"model": model_name, "batch": b, **{f"{k}_s": v for k, v in t.items()},
                          "private/projected": t["private"] / t["projected"], "private/plain": t["private"] / t["plain"]})
-    header = f"{'model':6} {'batch':>6} {'plain ms':>9} {'proj ms':>9} {'priv ms':>9} {'priv/proj':>9} {'priv/plain':>10}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['model']:6} {r['batch']:6d} {1e3 * r['plain_s']:9.2f} {1e3 * r['projected_s']:9.2f} "
-              f"{1e3 * r['private_s']:9.2f} {r['private/projected']:9.3f} {r['private/plain']:10.3f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": args.threads, "torch": torch.__version__, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    print_table(
+        f"{'model':6} {'batch':>6} {'plain ms':>9} {'proj ms':>9} {'priv ms':>9} {'priv/proj':>9} {'priv/plain':>10}",
+        [
+            f"{r['model']:6} {r['batch']:6d} {1e3 * r['plain_s']:9.2f} {1e3 * r['projected_s']:9.2f} "
+            f"{1e3 * r['private_s']:9.2f} {r['private/projected']:9.3f} {r['private/plain']:10.3f}"
+            for r in rows
+        ],
+    )
+    write_json(args.out, {"threads": args.threads, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

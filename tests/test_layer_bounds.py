@@ -236,3 +236,21 @@ def test_model_lipschitz_constant_bounds_measurement():
             p.add_(0.2 * torch.randn_like(p))
     engine.project_()
     assert measured_lipschitz(model, (1, 6, 6), restarts=6) <= engine.lipschitz_constant() * (1 + TOL)
+
+
+def test_bounds_hold_after_private_training_on_real_data():
+    """Weights trained by the private trainer on digits; real training examples plus adversarial inputs."""
+    torch.manual_seed(0)
+    data = cl.load_digits()
+    model = cl.lipschitz_cnn(data.input_shape, 10, channels=(4, 8), input_clip=None, pool=2)
+    loss = cl.TauCrossEntropy(8.0)
+    trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=0.02), loss, data.train,
+                                input_shape=data.input_shape, input_bound=8.0, batch_size=256, delta=1e-5, epochs=3,
+                                noise_multiplier=1.0, seed=0, progress=False, log=None, accountant="rdp")
+    trainer.fit()
+    report = trainer.optimizer.bound_engine.compute()
+    real = cl.tightness(model, loss, data.train.features[:64], data.train.labels[:64], report)
+    assert max(real.values()) <= 1 + TOL
+    model.eval()  # the input guard checks the data bound in training mode only; adversarial inputs stay in the ball
+    worst = worst_gradient_ratios(model, loss, data.input_shape, 8.0, 10, report=report)
+    assert max(worst.values()) <= 1 + TOL

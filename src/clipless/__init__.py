@@ -40,6 +40,7 @@ from .losses import (
 from .models import build_loss, build_model, lipschitz_cnn, lipschitz_mlp
 from .optimizer import DPOptimizer
 from .sampling import PoissonBatchSampler, poisson_data_loader
+from .tightness import per_example_gradient_norms, tightness
 from .trainer import PrivateTrainer, TrainResult, evaluate
 
 __version__ = "0.1.0"
@@ -89,5 +90,7 @@ __all__ = [
     "load_digits",
     "load_mnist",
     "load_tabular",
+    "per_example_gradient_norms",
     "poisson_data_loader",
+    "tightness",
 ]

@@ -77,6 +77,12 @@ def _clip_norm_(tensor: torch.Tensor, max_norm: float) -> None:
         tensor.mul_(max_norm / norm)
 
 
+def _positive_finite(value: float, name: str) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return float(value)
+
+
 def _check_projection(projection: str) -> str:
     if projection not in ("bjorck", "spectral"):
         raise ValueError(f"projection must be 'bjorck' or 'spectral', got {projection!r}")
@@ -88,9 +94,7 @@ class InputNormClip(BoundedModule):
 
     def __init__(self, max_norm: float) -> None:
         super().__init__()
-        if not (max_norm > 0 and math.isfinite(max_norm)):
-            raise ValueError(f"max_norm must be positive and finite, got {max_norm}")
-        self.max_norm = float(max_norm)
+        self.max_norm = _positive_finite(max_norm, "max_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norms = _per_example_norm(x)
@@ -429,9 +433,7 @@ class LossGradientClip(BoundedModule):
 
     def __init__(self, max_norm: float) -> None:
         super().__init__()
-        if not (max_norm > 0 and math.isfinite(max_norm)):
-            raise ValueError(f"max_norm must be positive and finite, got {max_norm}")
-        self.max_norm = float(max_norm)
+        self.max_norm = _positive_finite(max_norm, "max_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ClipGrad.apply(x, self.max_norm)

@@ -82,12 +82,16 @@ def lipschitz_cnn(
     kernel_size: int = 3,
     pool: int = 2,
     projection: str = "spectral",
+    input_pool: int = 1,
 ) -> nn.Sequential:
-    """``(conv -> MaxMin -> L2NormPool)* -> Flatten -> dense``; every block 1-Lipschitz."""
+    """``[ScaledAvgPool2d] -> (conv -> MaxMin -> L2NormPool)* -> Flatten -> dense``; every block 1-Lipschitz."""
     c, h, w = input_shape
     layers: list = []
     if input_clip is not None:
         layers.append(InputNormClip(input_clip))
+    if input_pool > 1:
+        layers.append(ScaledAvgPool2d(input_pool))
+        h, w = h // input_pool, w // input_pool
     for ch in channels:
         layers += [LipschitzConv2d(c, ch, kernel_size, projection=projection), _activation(activation)]
         if pool > 1 and h >= pool and w >= pool:

@@ -1,0 +1,21 @@
+"""Shared output of the benchmark scripts: a printed table and a JSON file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Sequence
+
+
+def print_table(header: str, lines: Sequence[str]) -> None:
+    print(header)
+    print("-" * len(header))
+    for line in lines:
+        print(line)
+
+
+def write_json(path: str, payload: Dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {out}")
