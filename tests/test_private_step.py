@@ -113,3 +113,23 @@ def test_projection_after_step_keeps_layers_1_lipschitz():
     for m in model.modules():
         if isinstance(m, cl.LipschitzLinear):
             assert torch.linalg.matrix_norm(m.weight.detach().double(), 2) <= 1 + 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["global", "per_layer"])
+def test_make_private_with_epsilon_spends_at_most_the_target(strategy):
+    torch.manual_seed(0)
+    data = cl.ArrayDataset(torch.rand(64, *SHAPE), torch.randint(0, 3, (64,)))
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=2.0)
+    engine = cl.PrivacyEngine("rdp")
+    _, opt, loader = engine.make_private_with_epsilon(
+        target_epsilon=2.0, target_delta=1e-3, epochs=3, module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=cl.TauCrossEntropy(),
+        input_shape=SHAPE, batch_size=8, strategy=strategy)
+    for _ in range(3):
+        for x, y in loader:
+            opt.zero_grad()
+            cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+            opt.step()
+    assert engine.accountant.steps == 3 * 8
+    eps = engine.get_epsilon(1e-3)
+    assert 1.95 <= eps <= 2.0
