@@ -30,6 +30,7 @@ def test_digits_private_training_learns_within_budget():
     assert result.epsilon > 2.9  # the calibrated sigma spends the budget
     assert result.test_accuracy > 0.5  # chance is 0.1
     assert result.sampling == "poisson" and result.seed == 0
+    assert not result.stopped_by_budget  # the planned epochs fit the budget
     assert len(result.history) == 15
 
 

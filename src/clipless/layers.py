@@ -41,23 +41,29 @@ def _broadcast_per_example(values: torch.Tensor, like: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
-def bjorck_orthonormalize(weight: torch.Tensor, iters: int = 6) -> torch.Tensor:
-    """Björck–Bowie iteration ``W <- 1.5 W - 0.5 W W^T W`` towards the nearest orthonormal matrix.
+def bjorck_orthonormalize(weight: torch.Tensor, max_iters: int = 30, tol: float = 1e-5) -> torch.Tensor:
+    """Björck–Bowie iteration ``W <- 1.5 W - 0.5 (W W^T) W`` until ``max|W W^T - I| < tol``.
 
     Converges for singular values in ``(0, sqrt(3))``; the input is rescaled
     when its largest singular value is above 1.5.  Warm-started from the
-    previous (orthonormal) weights a few iterations suffice.  The result is
-    *not* taken as certified: layers recompute its exact norm for the bounds.
+    previous (orthonormal) weights one or two iterations suffice.  The result
+    is *not* taken as certified: layers recompute its exact norm for the bounds.
     """
     w = weight
     transpose = w.shape[0] > w.shape[1]
     if transpose:
         w = w.T
-    top = torch.linalg.eigvalsh(w @ w.T)[-1].clamp_min(0).sqrt()
+    gram = w @ w.T
+    top = torch.linalg.eigvalsh(gram)[-1].clamp_min(0).sqrt()
     if top > 1.5:
         w = w / top
-    for _ in range(iters):
-        w = 1.5 * w - 0.5 * (w @ w.T) @ w
+        gram = gram / top**2
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    for _ in range(max_iters):
+        if (gram - eye).abs().max() < tol:
+            break
+        w = 1.5 * w - 0.5 * gram @ w
+        gram = w @ w.T
     if transpose:
         w = w.T
     return w.contiguous()
@@ -124,7 +130,7 @@ class LipschitzLinear(BoundedModule):
         bias: bool = False,
         bias_bound: float = 1.0,
         projection: str = "bjorck",
-        bjorck_iters: int = 6,
+        bjorck_iters: int = 30,
     ) -> None:
         super().__init__()
         self.in_features = in_features
@@ -194,7 +200,7 @@ class LipschitzConv2d(BoundedModule):
         bias: bool = False,
         bias_bound: float = 1.0,
         projection: str = "spectral",
-        bjorck_iters: int = 6,
+        bjorck_iters: int = 30,
     ) -> None:
         super().__init__()
         kh, kw = _pair(kernel_size)

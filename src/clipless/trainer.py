@@ -167,11 +167,13 @@ class PrivateTrainer:
         sigma_eff = self.optimizer.effective_noise_multiplier
         self.max_steps: float = math.inf
         planned = epochs * self.steps_per_epoch if epochs is not None else None
+        self._budget_limited = False
         if target_epsilon is not None:
             within = planned is not None and (
                 compute_epsilon(sigma_eff, self.sample_rate, planned, delta, mechanism) <= target_epsilon
             )
             if not within:  # the budget, not the epochs, decides when to stop
+                self._budget_limited = True
                 self.max_steps = calibrate_steps(target_epsilon, delta, self.sample_rate, sigma_eff, mechanism)
                 if self.max_steps == 0:
                     raise ValueError(
@@ -183,7 +185,6 @@ class PrivateTrainer:
             raise ValueError("give epochs or target_epsilon: training would never stop")
         self.steps = 0
         self.epoch = 0
-        self.stopped_by_budget = False
         self.history: List[Dict[str, float]] = []
         # Exponential moving average of the released iterates: post-processing, no privacy cost.
         if average_decay is not None and not (0.0 < average_decay < 1.0):
@@ -228,7 +229,6 @@ class PrivateTrainer:
             bar = tqdm(total=min(len(batches), int(self.max_steps - self.steps)), desc=f"epoch {self.epoch + 1}", leave=False)
         for x, y in batches:
             if self.steps >= self.max_steps:
-                self.stopped_by_budget = self.target_epsilon is not None
                 break
             x, y = x.to(self.device), y.to(self.device)
             self.optimizer.zero_grad()
@@ -290,7 +290,7 @@ class PrivateTrainer:
             strategy=self.strategy,
             seed=self.seed,
             wall_time_s=self._wall,
-            stopped_by_budget=self.stopped_by_budget,
+            stopped_by_budget=self._budget_limited and self.steps >= self.max_steps,
             history=list(self.history),
         )
 
