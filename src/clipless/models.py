@@ -83,8 +83,13 @@ def lipschitz_cnn(
     pool: int = 2,
     projection: str = "spectral",
     input_pool: int = 1,
+    operator_norm: str = "fft",
 ) -> nn.Sequential:
-    """``[ScaledAvgPool2d] -> (conv -> MaxMin -> L2NormPool)* -> Flatten -> dense``; every block 1-Lipschitz."""
+    """``[ScaledAvgPool2d] -> (conv -> MaxMin -> L2NormPool)* -> Flatten -> dense``; every block 1-Lipschitz.
+
+    Convolutions use the exact FFT operator-norm bound by default (``operator_norm='reshaped'``
+    for the looser ``sqrt(s) ||W_mat||`` bound).
+    """
     c, h, w = input_shape
     layers: list = []
     if input_clip is not None:
@@ -93,7 +98,8 @@ def lipschitz_cnn(
         layers.append(ScaledAvgPool2d(input_pool))
         h, w = h // input_pool, w // input_pool
     for ch in channels:
-        layers += [LipschitzConv2d(c, ch, kernel_size, projection=projection), _activation(activation)]
+        conv = LipschitzConv2d(c, ch, kernel_size, projection=projection, operator_norm=operator_norm)
+        layers += [conv, _activation(activation)]
         if pool > 1 and h >= pool and w >= pool:
             layers.append(L2NormPool2d(pool))
             h, w = h // pool, w // pool
