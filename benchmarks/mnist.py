@@ -21,6 +21,8 @@ from report import print_table, write_json
 def run(data, epsilon: float, args) -> dict:
     torch.manual_seed(args.seed)
     model = cl.lipschitz_mlp(data.input_shape, 10, hidden=tuple(args.hidden), input_clip=args.input_clip)
+    if args.loss_grad_clip is not None:  # clip d loss / d logits per example: L -> min(L, C)
+        model.append(cl.LossGradientClip(args.loss_grad_clip))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = cl.PrivateTrainer(
         model, optimizer, cl.TauCrossEntropy(args.tau), data.train,
@@ -50,6 +52,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--tau", type=float, default=6.0)
+    p.add_argument("--loss-grad-clip", type=float, default=None, help="clip each example's logit gradient to C")
     p.add_argument("--average-decay", type=float, default=None, help="EMA of the iterates (post-processing)")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)

@@ -20,6 +20,7 @@ DEFAULTS: Dict[str, Any] = {
     "input_clip": None,
     "loss": "tau_ce",
     "tau": 8.0,
+    "loss_grad_clip": None,
     "epsilon": 3.0,
     "delta": 1e-5,
     "noise_multiplier": None,
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
     train.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
     train.add_argument("--tau", type=float, help="temperature of tau_ce")
+    train.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C))")
     train.add_argument("--epsilon", type=float, help="target epsilon (sigma is calibrated to reach it)")
     train.add_argument("--delta", type=float)
     train.add_argument("--noise-multiplier", type=float, help="fix sigma instead (with --epsilon: steps are calibrated)")
@@ -86,6 +88,7 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
 
 def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     from .data import load_dataset
+    from .layers import LossGradientClip
     from .models import build_loss, build_model
     from .trainer import PrivateTrainer
 
@@ -101,6 +104,8 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         model_kwargs["channels"] = config["channels"]
     model_kwargs["hidden"] = config["hidden"]
     model = build_model(config["model"], shape, classes, **model_kwargs)
+    if config["loss_grad_clip"] is not None:
+        model.append(LossGradientClip(float(config["loss_grad_clip"])))
     loss_kwargs = {"tau": config["tau"]} if config["loss"] == "tau_ce" else {}
     loss = build_loss(config["loss"], classes, **loss_kwargs)
     opt_cls = torch.optim.Adam if config["optimizer"] == "adam" else torch.optim.SGD
