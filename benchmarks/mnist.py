@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--tau", type=float, default=6.0)
-    p.add_argument("--loss-grad-clip", type=float, default=None, help="clip each example's logit gradient to C")
+    p.add_argument("--loss-grad-clip", type=float, default=0.25, help="clip each example's logit gradient to C")
     p.add_argument("--average-decay", type=float, default=None, help="EMA of the iterates (post-processing)")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
