@@ -133,3 +133,34 @@ def test_make_private_with_epsilon_spends_at_most_the_target(strategy):
     assert engine.accountant.steps == 3 * 8
     eps = engine.get_epsilon(1e-3)
     assert 1.95 <= eps <= 2.0
+
+
+def test_energy_allocation_keeps_sigma_eff_and_minimises_noise_energy():
+    from clipless.noise import allocate_layer_noise, noise_energy_allocation
+
+    _, opt, _, _, _, _ = small_setup(strategy="per_layer", noise=2.0)
+    report = opt.last_report
+    sigmas = allocate_layer_noise(1.5, noise_energy_allocation(report))
+    assert cl.effective_noise_multiplier(list(sigmas.values())) == pytest.approx(1.5)
+
+    def energy(s):
+        return sum(sum(p.numel() for p in layer.params) * (s[layer.name] * layer.bound) ** 2 for layer in report.layers)
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        other = allocate_layer_noise(1.5, {layer.name: float(torch.rand(1, generator=gen)) + 0.05 for layer in report.layers})
+        assert energy(sigmas) <= energy(other) * (1 + 1e-9)
+
+
+def test_trainer_energy_allocation_spends_the_budget():
+    torch.manual_seed(0)
+    data = cl.load_digits()
+    model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(32,))
+    trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=0.01), cl.TauCrossEntropy(4.0),
+                                data.train, input_shape=data.input_shape, input_bound=8.0, batch_size=256, delta=1e-5,
+                                epochs=2, target_epsilon=2.0, strategy="per_layer", layer_noise_multipliers="energy",
+                                accountant="rdp", progress=False, log=None)
+    sigmas = trainer.optimizer.layer_sigmas
+    first, last = list(sigmas.values())
+    assert first < last  # the 64x32 layer gets less noise per coordinate than the 32x10 one
+    assert trainer.fit().epsilon <= 2.0

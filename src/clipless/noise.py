@@ -21,6 +21,7 @@ __all__ = [
     "layer_noise_multipliers",
     "allocate_layer_noise",
     "strategy_effective_sigma",
+    "noise_energy_allocation",
 ]
 
 STRATEGIES = ("global", "per_layer")
@@ -47,6 +48,20 @@ def allocate_layer_noise(sigma_eff: float, weights: Mapping[str, float]) -> Dict
         raise ValueError("allocation weights must be positive")
     c = sigma_eff * math.sqrt(sum(w**-2 for w in weights.values()))
     return {name: c * w for name, w in weights.items()}
+
+
+def noise_energy_allocation(report: BoundReport) -> Dict[str, float]:
+    """Relative ``sigma_d`` minimising the total noise energy ``sum_d p_d sigma_d^2 g_d^2`` at fixed ``sigma_eff``.
+
+    Lagrange conditions give ``sigma_d proportional to (p_d g_d^2)^(-1/4)`` (``p_d`` = number of
+    parameters of layer ``d``): big layers get less noise per coordinate, small ones more.
+    Depends only on the model's bounds and sizes, never on data.
+    """
+    weights = {}
+    for layer in report.layers:
+        size = sum(p.numel() for p in layer.params)
+        weights[layer.name] = (size * max(layer.bound, 1e-30) ** 2) ** -0.25
+    return weights
 
 
 def strategy_effective_sigma(strategy: str, sigmas: Sequence[float]) -> float:

@@ -22,7 +22,7 @@ from .accounting import calibrate_noise_multiplier, calibrate_steps, check_delta
 from .bounds import BoundedModule
 from .engine import PrivacyEngine
 from .losses import LipschitzLoss
-from .noise import STRATEGIES, allocate_layer_noise
+from .noise import STRATEGIES, allocate_layer_noise, noise_energy_allocation
 
 __all__ = ["PrivateTrainer", "TrainResult", "evaluate"]
 
@@ -91,7 +91,9 @@ class PrivateTrainer:
 
     Give ``target_epsilon`` (sigma is calibrated for ``epochs``), or
     ``noise_multiplier`` (with ``target_epsilon`` too, the number of steps is
-    calibrated and training stops at the budget).  ``seed`` fixes the
+    calibrated and training stops at the budget).  With ``strategy='per_layer'``,
+    ``layer_noise_multipliers`` may be a dict of relative weights or ``'energy'``
+    (:func:`~clipless.noise.noise_energy_allocation`).  ``seed`` fixes the
     sampling and noise generators (for experiments; the result says so).
     """
 
@@ -110,7 +112,7 @@ class PrivateTrainer:
         noise_multiplier: Optional[float] = None,
         input_bound: Optional[float] = None,
         strategy: str = "global",
-        layer_noise_multipliers: Optional[Mapping[str, float]] = None,
+        layer_noise_multipliers: Union[Mapping[str, float], str, None] = None,
         accountant: str = "pld",
         seed: Optional[int] = None,
         test_data: Optional[Dataset] = None,
@@ -156,10 +158,17 @@ class PrivateTrainer:
             batch_size=batch_size,
             input_bound=input_bound,
             strategy=strategy,
-            layer_noise_multipliers=layer_noise_multipliers,
+            layer_noise_multipliers=None if isinstance(layer_noise_multipliers, str) else layer_noise_multipliers,
             noise_generator=_generator(None if seed is None else seed + 2, next(model.parameters()).device),
             sampling_generator=self.sampling_generator,
         )
+        if isinstance(layer_noise_multipliers, str):
+            if layer_noise_multipliers != "energy" or strategy != "per_layer":
+                raise ValueError("layer_noise_multipliers='energy' needs strategy='per_layer'")
+            if noise_multiplier is not None:
+                raise ValueError("layer_noise_multipliers='energy' allocates a calibrated sigma: give target_epsilon")
+            report = self.optimizer.last_report
+            self.optimizer.set_layer_noise(noise_energy_allocation(report))  # type: ignore[arg-type]
         if strategy == "per_layer" and noise_multiplier is None:
             # sigma was calibrated as sigma_eff: layer multipliers (relative weights if given)
             # are scaled to compose to it (SPEC §3.4).
