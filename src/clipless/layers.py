@@ -247,9 +247,7 @@ class LipschitzConv2d(BoundedModule):
 
     def output_positions(self, in_shape: Tuple[int, ...]) -> int:
         """Number ``P`` of output positions for a per-example input shape ``(C, H, W)``."""
-        _, h, w = in_shape
-        (kh, kw), (ph, pw), s = self.kernel_size, self.padding, self.stride
-        return ((h + 2 * ph - kh) // s + 1) * ((w + 2 * pw - kw) // s + 1)
+        return self.output_size(in_shape[-2], 0) * self.output_size(in_shape[-1], 1)
 
     def overlap_for(self, in_shape: Tuple[int, ...]) -> int:
         """Exact ``s``: max over input pixels of the number of (patch, offset) pairs reading it."""
@@ -287,6 +285,7 @@ class LipschitzConv2d(BoundedModule):
         return norm * math.sqrt(repeats) * (1 + 1e-7)
 
     def output_size(self, n: int, dim: int) -> int:
+        """Output length along spatial ``dim`` (0: height, 1: width) for input length ``n``."""
         return (n + 2 * self.padding[dim] - self.kernel_size[dim]) // self.stride + 1
 
     def certified_lipschitz(self, in_shape: Tuple[int, ...]) -> float:

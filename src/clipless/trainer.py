@@ -51,6 +51,13 @@ class TrainResult:
         return asdict(self)
 
 
+def _predictions(logits: torch.Tensor) -> torch.Tensor:
+    """Class predictions: argmax of multiclass logits, sign of a single binary logit."""
+    if logits.dim() == 2 and logits.shape[1] > 1:
+        return logits.argmax(dim=1)
+    return (logits.reshape(-1) > 0).long()
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, dataset: Dataset, loss: Optional[LipschitzLoss] = None, batch_size: int = 2048, device: str = "cpu"
@@ -62,11 +69,7 @@ def evaluate(
     for x, y in DataLoader(dataset, batch_size=batch_size):
         x, y = x.to(device), y.to(device)
         logits = model(x)
-        if logits.dim() == 2 and logits.shape[1] > 1:
-            pred = logits.argmax(dim=1)
-        else:
-            pred = (logits.reshape(-1) > 0).long()
-        correct += int((pred == y).sum())
+        correct += int((_predictions(logits) == y).sum())
         total += int(y.shape[0])
         if loss is not None:
             loss_sum += float(loss.per_example(logits, y).sum())
@@ -167,12 +170,13 @@ class PrivateTrainer:
                 raise ValueError("layer_noise_multipliers='energy' needs strategy='per_layer'")
             if noise_multiplier is not None:
                 raise ValueError("layer_noise_multipliers='energy' allocates a calibrated sigma: give target_epsilon")
-            report = self.optimizer.last_report
-            self.optimizer.set_layer_noise(noise_energy_allocation(report))  # type: ignore[arg-type]
         if strategy == "per_layer" and noise_multiplier is None:
             # sigma was calibrated as sigma_eff: layer multipliers (relative weights if given)
             # are scaled to compose to it (SPEC §3.4).
-            self.optimizer.set_layer_noise(allocate_layer_noise(sigma, self.optimizer.layer_sigmas))
+            weights = self.optimizer.layer_sigmas
+            if layer_noise_multipliers == "energy":
+                weights = noise_energy_allocation(self.optimizer.last_report)  # type: ignore[arg-type]
+            self.optimizer.set_layer_noise(allocate_layer_noise(sigma, weights))
         sigma_eff = self.optimizer.effective_noise_multiplier
         self.max_steps: float = math.inf
         planned = epochs * self.steps_per_epoch if epochs is not None else None
@@ -250,10 +254,7 @@ class PrivateTrainer:
             self.steps += 1
             with torch.no_grad():
                 loss_sum += float(per_example.sum())
-                if logits.dim() == 2 and logits.shape[1] > 1:
-                    correct += int((logits.argmax(1) == y).sum())
-                else:
-                    correct += int(((logits.reshape(-1) > 0).long() == y).sum())
+                correct += int((_predictions(logits) == y).sum())
                 seen += int(y.shape[0])
             if bar is not None:
                 bar.update(1)
