@@ -65,6 +65,26 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--output-dir", help="where result.json and checkpoint.pt go")
     train.add_argument("--resume", action="store_true", default=None, help="resume from output-dir/checkpoint.pt")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+    kl = sub.add_parser("kl-study", help="KL privacy of noisy GD without clipping (two-class MNIST); JSON + PNG plots")
+    kl.add_argument("--data-dir", required=True, help="directory with the MNIST IDX .gz files")
+    kl.add_argument("--digits", type=int, nargs=2, default=[0, 1])
+    kl.add_argument("--n-train", type=int, default=1000)
+    kl.add_argument("--n-heldout", type=int, default=1000, help="held-out records that may be added (neighbours)")
+    kl.add_argument("--inits", nargs="*", default=["lecun", "xavier", "he", "ntk"])
+    kl.add_argument("--width", type=int, default=128, help="hidden width of the steps and depth experiments")
+    kl.add_argument("--depth", type=int, default=2, help="layers of the steps and width experiments")
+    kl.add_argument("--widths", type=int, nargs="*", default=[32, 64, 128, 256])
+    kl.add_argument("--depths", type=int, nargs="*", default=[2, 3, 4, 5])
+    kl.add_argument("--eta", type=float, default=0.5, help="learning rate of noisy GD")
+    kl.add_argument("--sigma", type=float, default=0.003, help="Langevin temperature: noise variance 2 eta sigma^2")
+    kl.add_argument("--steps", type=int, default=100, help="full-batch steps (epochs) of the long training")
+    kl.add_argument("--short-steps", type=int, default=5, help="steps of the short training")
+    kl.add_argument("--mia-sigma", type=float, default=0.03, help="sigma of the membership-attack runs")
+    kl.add_argument("--runs", type=int, default=2, help="independent runs (init and noise seeds) per configuration")
+    kl.add_argument("--seed", type=int, default=0)
+    kl.add_argument("--output-dir", default="runs/kl-study")
+    kl.add_argument("--no-progress", dest="progress", action="store_false")
     return parser
 
 
@@ -164,6 +184,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{'fixed' if result['seed'] is not None else 'fresh entropy'}; "
             f"result in {Path(config['output_dir']) / 'result.json'}"
         )
+    elif args.command == "kl-study":
+        from .kl_study import KLStudyConfig, format_summary, main_kl_study
+
+        options = {k: v for k, v in vars(args).items() if k != "command"}
+        options["digits"] = tuple(options["digits"])
+        for key in ("inits", "widths", "depths"):
+            options[key] = tuple(options[key])
+        study = main_kl_study(KLStudyConfig(**options))
+        print(format_summary(study))
+        print(f"wrote {Path(args.output_dir) / 'kl_study.json'} and {', '.join(study['plots'])}")
     return 0
 
 
