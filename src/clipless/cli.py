@@ -11,6 +11,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 DEFAULTS: Dict[str, Any] = {
+    "method": "clipless",
+    "max_grad_norm": 1.0,
     "dataset": "digits",
     "data_dir": None,
     "model": "mlp",
@@ -42,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="private training; prints accuracy and epsilon, writes result.json")
     train.add_argument("--config", help="YAML file with any of the options below (flags override it)")
+    train.add_argument("--method", choices=["clipless", "dpsgd", "nonprivate"],
+                       help="clipless DP-SGD (default), clipped DP-SGD through Opacus, or non-private training")
+    train.add_argument("--max-grad-norm", type=float, help="per-example clipping norm C of dpsgd")
     train.add_argument("--dataset", help="digits (embedded), mnist, or a .npz/.csv tabular file")
     train.add_argument("--data-dir", help="directory holding the dataset files (MNIST IDX .gz, tabular files)")
     train.add_argument("--model", choices=["mlp", "cnn"])
@@ -117,6 +122,8 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         torch.manual_seed(seed)
     data = load_dataset(config["dataset"], config["data_dir"], seed=seed or 0)
     shape, classes = data.input_shape, data.num_classes
+    if config["method"] != "clipless":
+        return run_baseline(config, data, seed)
     model_kwargs: Dict[str, Any] = {"input_clip": config["input_clip"], "activation": config["activation"]}
     if config["model"] == "cnn":
         if len(shape) != 3:
@@ -171,15 +178,45 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
+def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict[str, Any]:
+    """``--method dpsgd|nonprivate``: the unconstrained counterpart of the chosen model, same data and widths."""
+    from .baselines import standard_cnn, standard_mlp, train_dpsgd, train_nonprivate
+
+    shape, classes = data.input_shape, data.num_classes
+    if config["model"] == "cnn":
+        model = standard_cnn(shape, classes, channels=config["channels"], hidden=config["hidden"])
+    else:
+        model = standard_mlp(shape, classes, hidden=config["hidden"])
+    common = dict(batch_size=int(config["batch_size"]), epochs=int(config["epochs"]), lr=config["lr"],
+                  optimizer=config["optimizer"], seed=seed, test_data=data.test, progress=bool(config["progress"]))
+    if config["method"] == "dpsgd":
+        outcome = train_dpsgd(model, data.train, delta=config["delta"], max_grad_norm=config["max_grad_norm"],
+                              target_epsilon=None if config["noise_multiplier"] else config["epsilon"],
+                              noise_multiplier=config["noise_multiplier"], accountant=config["accountant"], **common)
+    else:
+        outcome = train_nonprivate(model, data.train, **common)
+    result = outcome.to_dict()
+    result.update({"dataset": data.name, "config": config, "effective_noise_multiplier": outcome.noise_multiplier})
+    out_dir = Path(config["output_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "result.json", "w") as fh:
+        json.dump(result, fh, indent=2, default=str)
+    return result
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":
         config = resolve_config(args)
         result = run_train(config)
         acc = result["test_accuracy"]
+        privacy = (
+            "no privacy (non-private baseline)" if result["epsilon"] is None else
+            f"epsilon {result['epsilon']:.3f} (delta {result['delta']:g}, {result['accountant']}), "
+            f"sigma {result['effective_noise_multiplier']:.3f}"
+        )
         print(
-            f"{result['dataset']}: test accuracy {acc:.4f}, epsilon {result['epsilon']:.3f} "
-            f"(delta {result['delta']:g}, {result['accountant']}), sigma {result['effective_noise_multiplier']:.3f}, "
+            f"{result['dataset']} [{config['method']}]: test accuracy {acc:.4f}, {privacy}, "
             f"{result['steps']} steps, {result['wall_time_s']:.1f}s; seed "
             f"{'fixed' if result['seed'] is not None else 'fresh entropy'}; "
             f"result in {Path(config['output_dir']) / 'result.json'}"
