@@ -260,3 +260,21 @@ def test_bounds_hold_after_private_training_on_real_data():
     model.eval()  # the input guard checks the data bound in training mode only; adversarial inputs stay in the ball
     worst = worst_gradient_ratios(model, loss, data.input_shape, 8.0, 10, report=report)
     assert max(worst.values()) <= 1 + TOL
+
+
+def test_conv_bound_cache_is_sound_and_invalidated_by_any_weight_change():
+    """After projection the bound comes from a rounding argument, not a second FFT; it must still be
+    >= the exact FFT norm of the stored weights, and any change of the weights (even via .data) recomputes."""
+    torch.manual_seed(0)
+    conv = cl.LipschitzConv2d(4, 6, 3, operator_norm="fft")
+    shape = (4, 10, 10)
+    conv(torch.zeros((1,) + shape))
+    with torch.no_grad():
+        conv.weight.mul_(7.0)
+    conv.project_()
+    cached = conv.certified_lipschitz(shape)
+    fresh = conv.fft_operator_norm(shape)
+    assert fresh <= cached <= 1 + 1e-5
+    conv.weight.data.mul_(2.0)  # not seen by autograd's version counter
+    assert conv.certified_lipschitz(shape) == pytest.approx(2 * fresh, rel=1e-6)
+    assert conv.layer_bound(1.0, (4, 12, 12)).lipschitz == pytest.approx(conv.fft_operator_norm((4, 12, 12)))

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, check_delta
+from .sampling import poisson_data_loader
 
 __all__ = ["BaselineResult", "standard_mlp", "standard_cnn", "train_dpsgd", "train_nonprivate", "predict_scores"]
 
@@ -157,9 +158,13 @@ def train_dpsgd(
             max_grad_norm=max_grad_norm, poisson_sampling=True,
         )
     assert abs(dp_loader.sample_rate - sample_rate) < 1e-12
+    # The same Poisson sampling as Opacus' loader (rate q, len(loader) steps per epoch), through the
+    # library's batched gather: Opacus' loader fetches records one by one, which dominates small models.
+    batches = poisson_data_loader(train_data, sample_rate, torch.Generator().manual_seed(seed + 1) if seed is not None
+                                  else None, steps_per_epoch=len(loader))
     start = time.perf_counter()
     for _ in tqdm(range(epochs), desc="dp-sgd (opacus)", disable=not progress):
-        for x, y in dp_loader:
+        for x, y in batches:
             opt.zero_grad()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Full backward hook")

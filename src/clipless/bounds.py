@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -71,6 +71,29 @@ def certified_norm(tensor: torch.Tensor) -> float:
     if not math.isfinite(value):
         raise BoundError("tensor contains NaN or infinite values")
     return value * _CERT_MARGIN
+
+
+class CertifiedValueCache:
+    """A certified value remembered for one exact tensor and key.
+
+    Any change of the tensor (compared element by element, so in-place updates through ``.data``
+    are seen too) or of the key invalidates it: a cached bound is never used for other weights.
+    """
+
+    def __init__(self) -> None:
+        self._tensor: Optional[torch.Tensor] = None
+        self._key: Any = None
+        self._value = 0.0
+
+    def get(self, tensor: torch.Tensor, key: Any) -> Optional[float]:
+        t = self._tensor
+        if t is None or key != self._key or t.shape != tensor.shape or not torch.equal(t, tensor.detach()):
+            return None
+        return self._value
+
+    def put(self, tensor: torch.Tensor, key: Any, value: float) -> float:
+        self._tensor, self._key, self._value = tensor.detach().clone(), key, float(value)
+        return self._value
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ __all__ = [
     "load_dataset",
     "clip_norm",
     "normalize_to_sphere",
+    "signed_log1p",
     "check_finite",
     "read_idx",
 ]
@@ -96,6 +97,11 @@ def normalize_to_sphere(x: torch.Tensor, radius: float = 1.0) -> torch.Tensor:
     norms = torch.linalg.vector_norm(x.flatten(1), dim=1)
     factor = torch.where(norms > 0, radius / norms.clamp_min(1e-12), torch.zeros_like(norms))
     return x * factor.reshape((-1,) + (1,) * (x.dim() - 1))
+
+
+def signed_log1p(x: torch.Tensor) -> torch.Tensor:
+    """``sign(x) log(1 + |x|)`` per feature: a fixed, data-independent squashing of heavy-tailed tabular features."""
+    return torch.sign(x) * torch.log1p(x.abs())
 
 
 def _split(

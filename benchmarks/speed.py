@@ -1,0 +1,197 @@
+"""Per-step time and peak memory vs batch size: clipless DP-SGD, Opacus DP-SGD, non-private.
+
+    python benchmarks/speed.py --batch-sizes 64 256 1024 4096 --out results/speed.json
+
+Every (method, model, batch) runs in its own process (peak memory = peak RSS, or CUDA peak allocation,
+minus the memory in use before the first step). Time = median of ``--repeats`` steps after warm-up.
+
+  lipschitz  non-private step of the Lipschitz model: forward + backward + Adam + projection
+  clipless   clipless private step of the same model (DPOptimizer: certified bounds, noise, /b, Adam,
+             projection, accountant)
+  standard   non-private step of the unconstrained counterpart (same widths, nn.Conv2d/nn.Linear, ReLU)
+  opacus     Opacus DP-SGD step of the standard model (per-example gradients, clipping, noise, Adam)
+
+Ratios: clipless / lipschitz (the cost of privacy on the same model) and opacus / standard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+METHODS = ("lipschitz", "clipless", "standard", "opacus")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize() / 2 ** 20
+
+
+def _build(method: str, model_name: str, batch: int, device: str):
+    import torch.nn.functional as F
+
+    import clipless as cl
+    from clipless.baselines import standard_cnn, standard_mlp
+
+    shape = (1, 28, 28)
+    x = torch.rand(batch, *shape, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    if method in ("lipschitz", "clipless"):
+        if model_name == "cnn":
+            model = cl.lipschitz_cnn(shape, 10, channels=(16, 32), input_clip=28.0)
+        else:
+            model = cl.lipschitz_mlp(shape, 10, hidden=(256, 256), input_clip=28.0)
+        model = model.to(device)
+        loss = cl.TauCrossEntropy(8.0)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        if method == "lipschitz":
+            engine = cl.BoundEngine(model, shape, 28.0, loss.lipschitz)
+
+            def step() -> None:
+                opt.zero_grad()
+                loss.per_example(model(x), y).sum().backward()
+                opt.step()
+                engine.project_()
+            return step
+        model, dp_opt, _ = cl.PrivacyEngine().make_private(
+            module=model, optimizer=opt, data=cl.ArrayDataset(x.cpu(), y.cpu()), loss=loss, noise_multiplier=1.0,
+            input_shape=shape, batch_size=batch / 2, input_bound=28.0,
+        )
+
+        def step() -> None:
+            dp_opt.zero_grad()
+            loss.per_example(model(x), y).sum().backward()
+            dp_opt.step()
+        return step
+    model = (standard_cnn(shape, 10, channels=(16, 32)) if model_name == "cnn"
+             else standard_mlp(shape, 10, hidden=(256, 256))).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if method == "opacus":
+        from opacus import PrivacyEngine
+
+        warnings.filterwarnings("ignore")
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.cpu(), y.cpu()), batch_size=batch // 2)
+        model, opt, _ = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
+                                                     noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True)
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def worker(method: str, model_name: str, batch: int, repeats: int, threads: int, device: str) -> None:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    step = _build(method, model_name, batch, device)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2 ** 20
+    else:
+        before = _rss_mb()
+    times = []
+    for i in range(repeats + 3):
+        t = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 3:  # warm-up
+            times.append(time.perf_counter() - t)
+    peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(json.dumps({"median_s": statistics.median(times), "peak_mb": max(peak - before, 0.0)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--models", nargs="+", default=["cnn"], choices=["cnn", "mlp"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default="results/speed.json")
+    parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
+    parser.add_argument("--worker", nargs=3, metavar=("METHOD", "MODEL", "BATCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.repeats, args.threads, args.device)
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from report import print_table, write_json
+
+    rows = []
+    for model_name in args.models:
+        for b in args.batch_sizes:
+            row = {"model": model_name, "batch": b}
+            for method in args.methods:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--worker", method, model_name, str(b), "--repeats", str(args.repeats),
+                     "--threads", str(args.threads), "--device", args.device],
+                    capture_output=True, text=True,
+                )
+                if out.returncode != 0:
+                    raise RuntimeError(f"{method} {model_name} b={b} failed:\n{out.stderr[-2000:]}")
+                measured = json.loads(out.stdout.strip().splitlines()[-1])
+                row[f"{method}_ms"] = 1e3 * measured["median_s"]
+                row[f"{method}_mb"] = measured["peak_mb"]
+            if "clipless_ms" in row and "lipschitz_ms" in row:
+                row["clipless/lipschitz"] = row["clipless_ms"] / row["lipschitz_ms"]
+            if "opacus_ms" in row and "standard_ms" in row:
+                row["opacus/standard"] = row["opacus_ms"] / row["standard_ms"]
+            rows.append(row)
+            print(row, flush=True)
+
+    def cell(r, key, fmt):
+        return format(r[key], fmt) if key in r else "-"
+
+    print_table(
+        f"{'model':5} {'batch':>6} " + " ".join(f"{m + ' ms':>13}" for m in args.methods)
+        + f" {'clipless/lip':>12} {'opacus/std':>10} " + " ".join(f"{m + ' MB':>13}" for m in args.methods),
+        [f"{r['model']:5} {r['batch']:6d} " + " ".join(f"{cell(r, m + '_ms', '.2f'):>13}" for m in args.methods)
+         + f" {cell(r, 'clipless/lipschitz', '.3f'):>12} {cell(r, 'opacus/standard', '.3f'):>10} "
+         + " ".join(f"{cell(r, m + '_mb', '.0f'):>13}" for m in args.methods) for r in rows],
+    )
+    write_json(args.out, {"threads": args.threads, "device": args.device, "torch": torch.__version__,
+                          "repeats": args.repeats, "rows": rows})
+    plot_path = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
+    plot(rows, args.methods, plot_path)
+
+
+def plot(rows, methods, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for model_name in sorted({r["model"] for r in rows}):
+        sub = [r for r in rows if r["model"] == model_name]
+        bs = [r["batch"] for r in sub]
+        for m in methods:
+            ax1.plot(bs, [r[f"{m}_ms"] for r in sub], "o-", label=f"{model_name} {m}")
+            ax2.plot(bs, [max(r[f"{m}_mb"], 1e-1) for r in sub], "o-", label=f"{model_name} {m}")
+    ax1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="median step time (ms)")
+    ax2.set(xscale="log", yscale="log", xlabel="batch size", ylabel="peak memory increase (MB)")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
