@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, check_delta
 from .sampling import poisson_data_loader
+from .trainer import _predictions
 
 __all__ = ["BaselineResult", "standard_mlp", "standard_cnn", "train_dpsgd", "train_nonprivate", "predict_scores"]
 
@@ -94,7 +95,7 @@ def predict_scores(model: nn.Module, data: Dataset, batch_size: int = 4096) -> D
             labels.append(y)
     model.train(was_training)
     z, y = torch.cat(logits), torch.cat(labels)
-    out: Dict[str, Optional[float]] = {"accuracy": float((z.argmax(1) == y).double().mean()), "auroc": None}
+    out: Dict[str, Optional[float]] = {"accuracy": float((_predictions(z) == y).double().mean()), "auroc": None}
     if z.shape[1] == 2 and 0 < int(y.sum()) < len(y):
         out["auroc"] = float(roc_auc_score(y.numpy(), (z[:, 1] - z[:, 0]).numpy()))
     return out

@@ -173,6 +173,11 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         trainer.load_checkpoint(ckpt)
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": config, "sampling": "poisson (add/remove neighbours)"})
+    return _write_result(out_dir, result)
+
+
+def _write_result(out_dir: Path, result: Dict[str, Any]) -> Dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "result.json", "w") as fh:
         json.dump(result, fh, indent=2, default=str)
     return result
@@ -197,11 +202,7 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
         outcome = train_nonprivate(model, data.train, **common)
     result = outcome.to_dict()
     result.update({"dataset": data.name, "config": config, "effective_noise_multiplier": outcome.noise_multiplier})
-    out_dir = Path(config["output_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "result.json", "w") as fh:
-        json.dump(result, fh, indent=2, default=str)
-    return result
+    return _write_result(Path(config["output_dir"]), result)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, jvp
+from torch.func import jvp
+
+from .data import check_finite
 
 INIT_SCHEMES = ("lecun", "xavier", "he", "ntk")
 
@@ -278,9 +280,9 @@ def noisy_gradient_descent(
     """
     if eta <= 0 or sigma <= 0 or steps < 1:
         raise ValueError(f"need eta > 0, sigma > 0 and steps >= 1 (got {eta}, {sigma}, {steps})")
-    for t in (x_train,) + ((x_heldout,) if x_heldout is not None else ()):
-        if not torch.isfinite(t).all():
-            raise ValueError("training or held-out data contains NaN or infinite values")
+    check_finite(x_train, "training data")
+    if x_heldout is not None:
+        check_finite(x_heldout, "held-out data")
     std = math.sqrt(noise_variance(eta, sigma))
     gaps, losses = [], []
     params = list(model.weights)  # type: ignore[attr-defined]

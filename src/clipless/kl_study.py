@@ -46,7 +46,7 @@ class KLStudyConfig:
 
 
 def two_class_mnist(data_dir: str, digits: Tuple[int, int], n_train: int, n_heldout: int,
-                    seed: int) -> Dict[str, Tensor]:
+                    seed: int) -> Dict[str, Any]:
     """Training records, held-out candidates (from the rest of the training split) and the test set.
 
     Labels are 0/1 for ``digits[0]``/``digits[1]``; every input is scaled to unit L2 norm (per example,
@@ -69,10 +69,12 @@ def two_class_mnist(data_dir: str, digits: Tuple[int, int], n_train: int, n_held
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     tr, ho = perm[:n_train], perm[n_train:n_train + n_heldout]
     xt, yt = select(data.test)
-    return {"x": x[tr], "y": y[tr], "xh": x[ho], "yh": y[ho], "x_test": xt, "y_test": yt}
+    # the linearized bound needs max ||x||^2 over training and held-out records (1 after the scaling)
+    max_norm_sq = float(torch.cat([x[tr], x[ho]]).norm(dim=1).max() ** 2)
+    return {"x": x[tr], "y": y[tr], "xh": x[ho], "yh": y[ho], "x_test": xt, "y_test": yt, "max_norm_sq": max_norm_sq}
 
 
-def _run(data: Dict[str, Tensor], widths: List[int], init: str, cfg: KLStudyConfig, sigma: float,
+def _run(data: Dict[str, Any], widths: List[int], init: str, cfg: KLStudyConfig, sigma: float,
          linearized: bool = False) -> Dict[str, Any]:
     def make(run: int) -> torch.nn.Module:
         net = klp.ReLUNetwork(widths, init, torch.Generator().manual_seed(cfg.seed * 7919 + run))
@@ -91,7 +93,6 @@ def _run(data: Dict[str, Tensor], widths: List[int], init: str, cfg: KLStudyConf
         attacks.append({"test_accuracy": acc, **attack})
     kl = float(mean[-1])
     bound = klp.membership_advantage_bound(kl)
-    max_norm_sq = float(torch.cat([data["x"], data["xh"]]).norm(dim=1).max() ** 2)
     return {
         "widths": widths,
         "init": init,
@@ -105,7 +106,7 @@ def _run(data: Dict[str, Tensor], widths: List[int], init: str, cfg: KLStudyConf
         "worst_neighbour_kl": float(trace.worst_neighbour_kl()[-1]),
         "delta_at_eps0": klp.kl_to_delta(kl),
         "advantage_bound": bound,
-        "linearized_kl_bound": klp.linearized_kl_bound(widths, init, max_norm_sq, len(data["x"]), cfg.eta,
+        "linearized_kl_bound": klp.linearized_kl_bound(widths, init, data["max_norm_sq"], len(data["x"]), cfg.eta,
                                                        sigma, cfg.steps),
         "final_train_loss": float(trace.train_loss[:, -1].mean()),
         "attacks": attacks,
@@ -243,7 +244,6 @@ def main_kl_study(cfg: KLStudyConfig) -> Dict[str, Any]:
     study = run_kl_study(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kl_study.json").write_text(json.dumps(study, indent=2))
     study["plots"] = [str(p) for p in plot_kl_study(study, out)]
     (out / "kl_study.json").write_text(json.dumps(study, indent=2))
     return study
