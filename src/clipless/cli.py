@@ -1,4 +1,4 @@
-"""Command line: ``clipless train`` (flags and/or a YAML config) writing a JSON result."""
+"""Command line: ``clipless train`` (flags and/or a YAML config), ``clipless pretrain``, ``clipless kl-study``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,34 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--output-dir", help="where result.json and checkpoint.pt go")
     train.add_argument("--resume", action="store_true", default=None, help="resume from output-dir/checkpoint.pt")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+    pre = sub.add_parser("pretrain", help="private contrastive/spreadout pre-training (Logit-DP, Naive-DP, "
+                         "non-private); prints kNN accuracy and epsilon, writes result.json")
+    pre.add_argument("--method", choices=["logit_dp", "naive_dp", "nonprivate"], default="logit_dp")
+    pre.add_argument("--loss", choices=["contrastive", "spreadout"], default="contrastive")
+    pre.add_argument("--dataset", choices=["digits", "mnist"], default="digits")
+    pre.add_argument("--data-dir", help="directory with the MNIST IDX .gz files")
+    pre.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp")
+    pre.add_argument("--hidden", type=int, nargs="*", default=[256], help="hidden widths of the encoder")
+    pre.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")
+    pre.add_argument("--embedding-dim", type=int, default=32)
+    pre.add_argument("--tau", type=float, default=1.0, help="temperature of the similarity logits")
+    pre.add_argument("--clip-norm", type=float, default=1.0,
+                     help="B (per pair gradient, logit_dp) or C (whole batch gradient, naive_dp)")
+    pre.add_argument("--epsilon", type=float, default=5.0, help="target epsilon (sigma is calibrated)")
+    pre.add_argument("--delta", type=float, default=1e-5)
+    pre.add_argument("--noise-multiplier", type=float, help="fix sigma instead of calibrating it")
+    pre.add_argument("--batch-size", type=float, default=256, help="expected Poisson batch size (pairs)")
+    pre.add_argument("--epochs", type=int, default=10)
+    pre.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    pre.add_argument("--lr", type=float, default=1e-3)
+    pre.add_argument("--crop-padding", type=int, help="random-crop shift in pixels (default 2 for mnist, 1 for digits)")
+    pre.add_argument("--no-flip", dest="flip", action="store_false", help="no random horizontal flips")
+    pre.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    pre.add_argument("--seed", type=int, default=0, help="seed for init, sampling, augmentation and noise (-1: fresh)")
+    pre.add_argument("--output-dir", default="runs/pretrain")
+    pre.add_argument("--resume", action="store_true", help="resume from output-dir/checkpoint.pt")
+    pre.add_argument("--no-progress", dest="progress", action="store_false")
 
     kl = sub.add_parser("kl-study", help="KL privacy of noisy GD without clipping (two-class MNIST); JSON + PNG plots")
     kl.add_argument("--data-dir", required=True, help="directory with the MNIST IDX .gz files")
@@ -205,6 +233,56 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
     return _write_result(Path(config["output_dir"]), result)
 
 
+def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
+    """``clipless pretrain``: pairs from random crops and flips of the training images."""
+    from .baselines import standard_cnn, standard_mlp
+    from .data import load_dataset
+    from .pairs import AugmentedPairs
+    from .pretrain import ContrastivePretrainer, knn_accuracy, linear_probe_accuracy
+
+    seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
+    if seed is not None:
+        torch.manual_seed(seed)
+    if args.dataset == "mnist" and not args.data_dir:
+        raise SystemExit("--dataset mnist needs --data-dir (a directory with the MNIST IDX .gz files)")
+    data = load_dataset(args.dataset, args.data_dir, seed=seed or 0)
+    shape = data.input_shape
+    if args.encoder == "cnn":
+        encoder = standard_cnn(shape, args.embedding_dim, channels=args.channels, hidden=args.hidden)
+    else:
+        encoder = standard_mlp(shape, args.embedding_dim, hidden=args.hidden)
+    padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
+    augment = torch.Generator().manual_seed(seed + 3) if seed is not None else torch.Generator()
+    if seed is None:
+        augment.seed()
+    pairs = AugmentedPairs(data.train.features, padding=padding, flip=args.flip, generator=augment)
+    eval_pairs = AugmentedPairs(data.test.features, padding=padding, flip=args.flip,
+                                generator=torch.Generator().manual_seed(12345))
+    opt_cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer = ContrastivePretrainer(
+        encoder, opt_cls(encoder.parameters(), lr=args.lr), pairs, method=args.method, loss=args.loss,
+        tau=args.tau, clip_norm=args.clip_norm, batch_size=args.batch_size, epochs=args.epochs,
+        delta=args.delta, target_epsilon=None if args.noise_multiplier else args.epsilon,
+        noise_multiplier=args.noise_multiplier, accountant=args.accountant, seed=seed, eval_pairs=eval_pairs,
+        progress=args.progress, checkpoint_path=out_dir / "checkpoint.pt",
+    )
+    if args.resume:
+        ckpt = out_dir / "checkpoint.pt"
+        if not ckpt.exists():
+            raise SystemExit(f"--resume: no checkpoint at {ckpt}")
+        trainer.load_checkpoint(ckpt)
+    result = trainer.fit().to_dict()
+    result.update({
+        "dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
+        "knn3_accuracy": knn_accuracy(encoder, data.train, data.test, k=3),
+        "linear_probe_accuracy": linear_probe_accuracy(encoder, data.train, data.test),
+    })
+    torch.save(encoder.state_dict(), out_dir / "encoder.pt")
+    return _write_result(out_dir, result)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":
@@ -222,6 +300,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{'fixed' if result['seed'] is not None else 'fresh entropy'}; "
             f"result in {Path(config['output_dir']) / 'result.json'}"
         )
+    elif args.command == "pretrain":
+        result = run_pretrain(args)
+        privacy = ("no privacy (non-private baseline)" if result["epsilon"] is None else
+                   f"epsilon {result['epsilon']:.3f} (delta {result['delta']:g}, {result['accountant']}), "
+                   f"sigma {result['noise_multiplier']:.3f}, sensitivity {result['sensitivity']:.3g}")
+        losses = [h["eval_loss"] for h in result["history"]]
+        print(f"{result['dataset']} [{result['method']} {result['loss']}]: kNN(3) accuracy "
+              f"{result['knn3_accuracy']:.4f}, linear probe {result['linear_probe_accuracy']:.4f}, held-out loss "
+              f"{losses[0]:.4f} -> {losses[-1]:.4f}, {privacy}, {result['steps']} steps, "
+              f"{result['wall_time_s']:.1f}s; result in {Path(args.output_dir) / 'result.json'}")
     elif args.command == "kl-study":
         from .kl_study import KLStudyConfig, format_summary, main_kl_study
 

@@ -93,8 +93,18 @@ def add_noise_(
         sigma = sigmas[layer.name]
         std = sigma * (delta if strategy == "global" else layer.bound)
         stds[layer.name] = std
-        for param in layer.params:
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
-            param.grad = (grad + std * noise) / expected_batch_size
+        add_gaussian_noise_(layer.params, std, expected_batch_size, generator)
     return stds
+
+
+@torch.no_grad()
+def add_gaussian_noise_(
+    params: Sequence[torch.Tensor], std: float, expected_batch_size: float, generator: torch.Generator
+) -> None:
+    """``grad <- (grad + N(0, std^2 I)) / b`` for each parameter (a missing ``.grad`` counts as zero)."""
+    if expected_batch_size <= 0:
+        raise ValueError("expected batch size must be positive")
+    for param in params:
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
+        param.grad = (grad + std * noise) / expected_batch_size

@@ -1,0 +1,296 @@
+"""Private contrastive / spreadout pre-training of an embedding model: Logit-DP, Naive-DP, non-private.
+
+The loop around :mod:`clipless.logit_dp`: Poisson sampling of pairs, noise ``N(0, (sigma Delta)^2)`` on
+the summed gradient, division by the expected batch size, any ``torch.optim`` optimizer, and the
+accountant (a Poisson-subsampled Gaussian step per iteration, SPEC §1).  Evaluation: k-NN accuracy of
+test embeddings and a linear head trained on frozen embeddings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from .accounting import PrivacyAccountant, calibrate_noise_multiplier, check_delta
+from .logit_dp import (
+    LOSS_FUNCTIONS,
+    logit_dp_gradient,
+    logit_dp_sensitivity,
+    naive_dp_gradient,
+    naive_dp_sensitivity,
+    nonprivate_gradient,
+    normalized_embedding,
+    similarity_logits,
+)
+from .noise import add_gaussian_noise_
+from .sampling import poisson_data_loader
+from .trainer import _generator
+
+__all__ = ["METHODS", "PretrainResult", "ContrastivePretrainer", "embed", "knn_accuracy", "linear_probe_accuracy"]
+
+METHODS = ("logit_dp", "naive_dp", "nonprivate")
+
+
+@dataclass
+class PretrainResult:
+    method: str
+    loss: str
+    tau: float
+    clip_norm: Optional[float]
+    epsilon: Optional[float]
+    delta: Optional[float]
+    noise_multiplier: Optional[float]
+    sensitivity: Optional[float]
+    steps: int
+    epochs: int
+    expected_batch_size: float
+    sample_rate: float
+    sampling: str
+    accountant: Optional[str]
+    seed: Optional[int]
+    wall_time_s: float
+    history: List[Dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+class ContrastivePretrainer:
+    """Pre-train ``encoder`` on the positive pairs ``pairs`` with ``method`` in ``METHODS``.
+
+    ``clip_norm`` is ``B`` (per pair gradient, Logit-DP) or ``C`` (whole batch gradient, Naive-DP).
+    Give ``target_epsilon`` (sigma is calibrated for ``epochs``) or ``noise_multiplier``.
+    ``eval_pairs`` (held-out, no privacy cost) gives the loss logged after every epoch, computed on
+    batches of the expected batch size so that it is comparable between methods.
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        pairs: Dataset,
+        *,
+        method: str = "logit_dp",
+        loss: str = "contrastive",
+        tau: float = 1.0,
+        clip_norm: float = 1.0,
+        batch_size: float,
+        epochs: int,
+        delta: Optional[float] = None,
+        target_epsilon: Optional[float] = None,
+        noise_multiplier: Optional[float] = None,
+        accountant: str = "pld",
+        seed: Optional[int] = None,
+        eval_pairs: Optional[Dataset] = None,
+        gram_method: str = "auto",
+        progress: bool = True,
+        log: Optional[Callable[[str], None]] = print,
+        checkpoint_path: Optional[Union[str, Path]] = None,
+    ) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if loss not in LOSS_FUNCTIONS:
+            raise ValueError(f"loss must be one of {tuple(LOSS_FUNCTIONS)}, got {loss!r}")
+        n = len(pairs)  # type: ignore[arg-type]
+        if not (0 < batch_size <= n):
+            raise ValueError(f"expected batch size must be in (0, {n}], got {batch_size}")
+        if epochs < 1:
+            raise ValueError("epochs must be >= 1")
+        self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
+        self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
+        self.batch_size, self.epochs, self.delta, self.seed = float(batch_size), int(epochs), delta, seed
+        self.gram_method, self.progress, self.log = gram_method, progress, log
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.sample_rate = self.batch_size / n
+        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        self.planned_steps = self.epochs * self.steps_per_epoch
+        logit_dp_sensitivity(1.0, self.tau, loss)  # validates (loss, tau) before any calibration
+        self.accountant: Optional[PrivacyAccountant] = None
+        self.sigma: Optional[float] = None
+        self.sensitivity: Optional[float] = None
+        if method != "nonprivate":
+            if delta is None:
+                raise ValueError("a private method needs delta")
+            check_delta(delta, n)
+            self.accountant = PrivacyAccountant(accountant)
+            if noise_multiplier is None:
+                if target_epsilon is None:
+                    raise ValueError("give target_epsilon or noise_multiplier")
+                noise_multiplier = calibrate_noise_multiplier(
+                    target_epsilon, delta, self.sample_rate, self.planned_steps, accountant)
+            self.sigma = float(noise_multiplier)
+            # Poisson batches have a random, private size: the sensitivity must hold for every n.
+            self.sensitivity = (logit_dp_sensitivity(self.clip_norm, self.tau, loss) if method == "logit_dp"
+                                else naive_dp_sensitivity(self.clip_norm))
+        self.loader = poisson_data_loader(pairs, self.sample_rate,
+                                          generator=_generator(None if seed is None else seed + 1))
+        self.noise_generator = _generator(None if seed is None else seed + 2)
+        self.steps = 0
+        self.epoch = 0
+        self.history: List[Dict[str, float]] = []
+        self._wall = 0.0
+
+    @property
+    def epsilon(self) -> Optional[float]:
+        return None if self.accountant is None else self.accountant.get_epsilon(self.delta)  # type: ignore[arg-type]
+
+    def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
+        self.encoder.train()
+        if self.method == "logit_dp":
+            stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method)
+        elif self.method == "naive_dp":
+            stats = naive_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm)
+        else:
+            stats = nonprivate_gradient(self.encoder, xa, xb, self.loss, self.tau)
+        params = [p for p in self.encoder.parameters() if p.requires_grad]
+        if self.accountant is not None:
+            add_gaussian_noise_(params, self.sigma * self.sensitivity, self.batch_size,  # type: ignore[operator]
+                                self.noise_generator)
+            self.accountant.step(self.sigma, self.sample_rate)  # type: ignore[arg-type]
+        else:
+            for p in params:  # same scaling as the private paths: sum / expected batch size
+                if p.grad is not None:
+                    p.grad /= self.batch_size
+        self.optimizer.step()
+        self.steps += 1
+        return stats
+
+    @torch.no_grad()
+    def eval_loss(self) -> Optional[float]:
+        """Mean per-pair loss on ``eval_pairs`` in batches of the expected batch size."""
+        if self.eval_pairs is None:
+            return None
+        self.encoder.eval()
+        size = max(2, round(self.batch_size))
+        total, count = 0.0, 0
+        for xa, xb in DataLoader(self.eval_pairs, batch_size=size, drop_last=len(self.eval_pairs) >= size):  # type: ignore[arg-type]
+            z = similarity_logits(normalized_embedding(self.encoder, xa), normalized_embedding(self.encoder, xb),
+                                  self.tau)
+            total += float(LOSS_FUNCTIONS[self.loss](z))
+            count += xa.shape[0]
+        self.encoder.train()
+        return total / max(count, 1)
+
+    def fit(self) -> PretrainResult:
+        if self.epoch == 0 and not self.history:
+            self.history.append({"epoch": 0, "eval_loss": self.eval_loss(), "epsilon": 0.0,  # type: ignore[dict-item]
+                                 "clipped_fraction": float("nan")})
+        while self.epoch < self.epochs:
+            start = time.perf_counter()
+            clipped = []
+            bar = tqdm(self.loader, desc=f"{self.method} epoch {self.epoch + 1}/{self.epochs}",
+                       disable=not self.progress, leave=False)
+            for xa, xb in bar:
+                stats = self._step(xa, xb)
+                clipped.append(stats["clipped_fraction"])
+            self._wall += time.perf_counter() - start
+            self.epoch += 1
+            eps = self.epsilon
+            row = {"epoch": self.epoch, "eval_loss": self.eval_loss(), "epsilon": eps,
+                   "clipped_fraction": sum(clipped) / max(1, len(clipped))}
+            self.history.append(row)  # type: ignore[arg-type]
+            if self.log:
+                loss_text = "n/a" if row["eval_loss"] is None else f"{row['eval_loss']:.4f}"
+                eps_text = "inf (non-private)" if eps is None else f"{eps:.3f}"
+                self.log(f"[{self.method}] epoch {self.epoch}/{self.epochs}: held-out loss {loss_text}, "
+                         f"epsilon {eps_text}, clipped {row['clipped_fraction']:.2f}")
+            if self.checkpoint_path:
+                self.save_checkpoint(self.checkpoint_path)
+        return self.result()
+
+    def result(self) -> PretrainResult:
+        return PretrainResult(
+            method=self.method, loss=self.loss, tau=self.tau,
+            clip_norm=None if self.method == "nonprivate" else self.clip_norm,
+            epsilon=self.epsilon, delta=self.delta if self.accountant else None,
+            noise_multiplier=self.sigma, sensitivity=self.sensitivity, steps=self.steps, epochs=self.epoch,
+            expected_batch_size=self.batch_size, sample_rate=self.sample_rate,
+            sampling="poisson over pairs (add/remove one pair)",
+            accountant=self.accountant.mechanism if self.accountant else None, seed=self.seed,
+            wall_time_s=self._wall, history=list(self.history),
+        )
+
+    def save_checkpoint(self, path: Union[str, Path]) -> None:
+        """Encoder, optimizer, progress, RNG states and the accountant's history in one file."""
+        torch.save({
+            "encoder": self.encoder.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "accountant": None if self.accountant is None else self.accountant.state_dict(),
+            "method": self.method, "sigma": self.sigma, "sensitivity": self.sensitivity,
+            "sample_rate": self.sample_rate, "steps": self.steps, "epoch": self.epoch, "history": self.history,
+            "wall": self._wall, "noise_rng": self.noise_generator.get_state(),
+            "sampling_rng": self.loader.batch_sampler.generator.get_state(),  # type: ignore[union-attr]
+        }, path)
+
+    def load_checkpoint(self, path: Union[str, Path]) -> None:
+        state = torch.load(path, weights_only=False)
+        if self.accountant is not None and not state.get("accountant"):
+            raise ValueError(f"checkpoint {path} has no accountant state: its privacy cost cannot be resumed")
+        for key, mine in (("method", self.method), ("sigma", self.sigma), ("sensitivity", self.sensitivity),
+                          ("sample_rate", self.sample_rate)):
+            if state.get(key) != mine:
+                raise ValueError(f"checkpoint {path} was trained with {key}={state.get(key)!r}, not {mine!r}")
+        self.encoder.load_state_dict(state["encoder"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.accountant is not None:
+            self.accountant.load_state_dict(state["accountant"])
+        self.steps, self.epoch, self.history, self._wall = state["steps"], state["epoch"], state["history"], state["wall"]
+        self.noise_generator.set_state(state["noise_rng"])
+        self.loader.batch_sampler.generator.set_state(state["sampling_rng"])  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation (held-out data and labels; no privacy cost for the pre-training data)
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def embed(encoder: nn.Module, data: Dataset, batch_size: int = 2048) -> tuple:
+    """Normalized embeddings and labels of a labelled dataset."""
+    was = encoder.training
+    encoder.eval()
+    out, labels = [], []
+    for x, y in DataLoader(data, batch_size=batch_size):
+        out.append(normalized_embedding(encoder, x))
+        labels.append(y)
+    encoder.train(was)
+    return torch.cat(out), torch.cat(labels)
+
+
+def knn_accuracy(encoder: nn.Module, reference: Dataset, test: Dataset, k: int = 3) -> float:
+    """Accuracy of a ``k``-NN classifier (cosine distance) on test embeddings, neighbours from ``reference``."""
+    from sklearn.neighbors import KNeighborsClassifier
+
+    ref_x, ref_y = embed(encoder, reference)
+    test_x, test_y = embed(encoder, test)
+    knn = KNeighborsClassifier(n_neighbors=k, metric="cosine", algorithm="brute", n_jobs=1)
+    knn.fit(ref_x.numpy(), ref_y.numpy())
+    return float((knn.predict(test_x.numpy()) == test_y.numpy()).mean())
+
+
+def linear_probe_accuracy(encoder: nn.Module, train: Dataset, test: Dataset, epochs: int = 100,
+                          lr: float = 0.05, hidden: Optional[int] = None, seed: int = 0) -> float:
+    """Test accuracy of a linear (or one-hidden-layer MLP) head trained on the frozen encoder's embeddings.
+
+    Full-batch Adam on the cross-entropy; the head is trained without privacy (an evaluation protocol).
+    """
+    tr_x, tr_y = embed(encoder, train)
+    te_x, te_y = embed(encoder, test)
+    classes = int(max(tr_y.max(), te_y.max())) + 1
+    torch.manual_seed(seed)
+    d = tr_x.shape[1]
+    head: nn.Module = (nn.Linear(d, classes) if hidden is None else
+                       nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, classes)))
+    opt = torch.optim.Adam(head.parameters(), lr=lr)
+    for _ in range(epochs):
+        opt.zero_grad()
+        nn.functional.cross_entropy(head(tr_x), tr_y).backward()
+        opt.step()
+    with torch.no_grad():
+        return float((head(te_x).argmax(1) == te_y).double().mean())
