@@ -91,6 +91,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    data = load_mnist(args.data_dir)
+    torch.manual_seed(args.seed)
+    untrained = standard_mlp((1, 28, 28), args.embedding_dim, hidden=args.hidden)  # the common initialization
+    reference = {"knn3_accuracy": knn_accuracy(untrained, data.train, data.test, k=3),
+                 "linear_probe_accuracy": linear_probe_accuracy(untrained, data.train, data.test)}
     results = [run(args, m) for m in args.methods]
     header = ("method", "clip", "epsilon", "sigma", "sensitivity", "loss start", "loss end", "kNN(3) acc",
               "probe acc", "s/epoch")
@@ -109,10 +114,12 @@ def main() -> None:
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    print(f"| untrained encoder (same init) | - | - | - | - | - | - | {reference['knn3_accuracy']:.4f} | "
+          f"{reference['linear_probe_accuracy']:.4f} | - |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as fh:
-        json.dump({"config": vars(args), "results": results}, fh, indent=2)
+        json.dump({"config": vars(args), "untrained": reference, "results": results}, fh, indent=2)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
@@ -19,3 +20,9 @@ def write_json(path: str, payload: Dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2, default=str))
     print(f"wrote {out}")
+
+
+def rss_mb() -> float:
+    """Resident set size of this process now, in MB (peak RSS comes from ``resource.getrusage``)."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize() / 2 ** 20

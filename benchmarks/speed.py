@@ -2,8 +2,10 @@
 
     python benchmarks/speed.py --batch-sizes 64 256 1024 4096 --out results/speed.json
 
-Every (method, model, batch) runs in its own process (peak memory = peak RSS, or CUDA peak allocation,
-minus the memory in use before the first step). Time = median of ``--repeats`` steps after warm-up.
+Every (method, model, batch) runs in ``--rounds`` separate processes, in alternating order (peak memory =
+peak RSS, or CUDA peak allocation, minus the memory in use before the first step). Time = median of the
+``--repeats`` steps after warm-up of all rounds pooled: on a shared 2-core machine, one process's median
+varies by about +-15% from one process to the next, so single-process ratios are not to be trusted.
 
   lipschitz  non-private step of the Lipschitz model: forward + backward + Adam + projection
   clipless   clipless private step of the same model (DPOptimizer: certified bounds, noise, /b, Adam,
@@ -27,13 +29,9 @@ import warnings
 from pathlib import Path
 
 import torch
+from report import rss_mb
 
 METHODS = ("lipschitz", "clipless", "standard", "opacus")
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * resource.getpagesize() / 2 ** 20
 
 
 def _build(method: str, model_name: str, batch: int, device: str):
@@ -100,7 +98,7 @@ def worker(method: str, model_name: str, batch: int, repeats: int, threads: int,
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() / 2 ** 20
     else:
-        before = _rss_mb()
+        before = rss_mb()
     times = []
     for i in range(repeats + 3):
         t = time.perf_counter()
@@ -111,7 +109,7 @@ def worker(method: str, model_name: str, batch: int, repeats: int, threads: int,
             times.append(time.perf_counter() - t)
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    print(json.dumps({"median_s": statistics.median(times), "peak_mb": max(peak - before, 0.0)}))
+    print(json.dumps({"median_s": statistics.median(times), "times_s": times, "peak_mb": max(peak - before, 0.0)}))
 
 
 def main() -> None:
@@ -120,6 +118,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["cnn"], choices=["cnn", "mlp"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="processes per (method, batch), run in alternating order; times are pooled")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="results/speed.json")
@@ -136,17 +136,27 @@ def main() -> None:
     for model_name in args.models:
         for b in args.batch_sizes:
             row = {"model": model_name, "batch": b}
+            pooled: dict = {m: [] for m in args.methods}
+            process_medians: dict = {m: [] for m in args.methods}
+            peaks: dict = {m: 0.0 for m in args.methods}
+            for r in range(args.rounds):
+                # Alternate the order so that drift of the machine's speed hits every method alike.
+                for method in (args.methods if r % 2 == 0 else args.methods[::-1]):
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--worker", method, model_name, str(b), "--repeats",
+                         str(args.repeats), "--threads", str(args.threads), "--device", args.device],
+                        capture_output=True, text=True,
+                    )
+                    if out.returncode != 0:
+                        raise RuntimeError(f"{method} {model_name} b={b} failed:\n{out.stderr[-2000:]}")
+                    measured = json.loads(out.stdout.strip().splitlines()[-1])
+                    pooled[method] += measured["times_s"]
+                    process_medians[method].append(1e3 * measured["median_s"])
+                    peaks[method] = max(peaks[method], measured["peak_mb"])
             for method in args.methods:
-                out = subprocess.run(
-                    [sys.executable, __file__, "--worker", method, model_name, str(b), "--repeats", str(args.repeats),
-                     "--threads", str(args.threads), "--device", args.device],
-                    capture_output=True, text=True,
-                )
-                if out.returncode != 0:
-                    raise RuntimeError(f"{method} {model_name} b={b} failed:\n{out.stderr[-2000:]}")
-                measured = json.loads(out.stdout.strip().splitlines()[-1])
-                row[f"{method}_ms"] = 1e3 * measured["median_s"]
-                row[f"{method}_mb"] = measured["peak_mb"]
+                row[f"{method}_ms"] = 1e3 * statistics.median(pooled[method])
+                row[f"{method}_process_medians_ms"] = process_medians[method]
+                row[f"{method}_mb"] = peaks[method]
             if "clipless_ms" in row and "lipschitz_ms" in row:
                 row["clipless/lipschitz"] = row["clipless_ms"] / row["lipschitz_ms"]
             if "opacus_ms" in row and "standard_ms" in row:

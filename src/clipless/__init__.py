@@ -37,8 +37,11 @@ from .losses import (
     MulticlassKR,
     TauCrossEntropy,
 )
+from .logit_dp import logit_dp_sensitivity, naive_dp_sensitivity, pair_gradient_norms
 from .models import build_loss, build_model, lipschitz_cnn, lipschitz_mlp
 from .optimizer import DPOptimizer
+from .pairs import AugmentedPairs, GivenPairs
+from .pretrain import ContrastivePretrainer, PretrainResult, knn_accuracy, linear_probe_accuracy
 from .sampling import PoissonBatchSampler, poisson_data_loader
 from .tightness import per_example_gradient_norms, tightness
 from .trainer import PrivateTrainer, TrainResult, evaluate
@@ -47,6 +50,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrayDataset",
+    "AugmentedPairs",
+    "ContrastivePretrainer",
+    "GivenPairs",
+    "PretrainResult",
+    "knn_accuracy",
+    "linear_probe_accuracy",
+    "logit_dp_sensitivity",
+    "naive_dp_sensitivity",
+    "pair_gradient_norms",
     "BinaryCrossEntropyWithTemperature",
     "BoundEngine",
     "BoundError",
