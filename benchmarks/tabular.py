@@ -39,30 +39,38 @@ DATASETS = {  # file stem: (name in the paper, delta, paper DP-SGD AUROC, paper 
     "47_yeast": ("yeast", 1e-4, 66.8, 75.1),
 }
 GRIDS = {
-    "clipless": [{"tau": 8.0, "lr": 3e-3, "epochs": 40}, {"tau": 8.0, "lr": 1e-2, "epochs": 20},
-                 {"tau": 2.0, "lr": 1e-2, "epochs": 20}, {"tau": 8.0, "lr": 1e-2, "epochs": 60}],
+    # input_clip: radius in units of sqrt(d); loss_grad_clip: C of the loss-gradient clip; batch_scale: multiple
+    # of the default expected batch. All fixed before looking at any data; the first entry is the default.
+    "clipless": [{"tau": 8.0, "lr": 1e-2, "epochs": 20, "input_clip": 0.5, "loss_grad_clip": 0.25},
+                 {"tau": 8.0, "lr": 1e-2, "epochs": 20, "input_clip": 0.5, "loss_grad_clip": 0.25, "batch_scale": 4},
+                 {"tau": 8.0, "lr": 3e-3, "epochs": 40, "input_clip": 0.25, "loss_grad_clip": 0.25},
+                 {"tau": 8.0, "lr": 3e-3, "epochs": 40}],
     "dpsgd": [{"max_grad_norm": 1.0, "lr": 1e-2, "epochs": 20}, {"max_grad_norm": 0.1, "lr": 1e-2, "epochs": 20},
               {"max_grad_norm": 1.0, "lr": 3e-3, "epochs": 40}, {"max_grad_norm": 1.0, "lr": 1e-2, "epochs": 60}],
 }
 HIDDEN = (64, 64)
 
 
-def _epochs(requested: int, n: int) -> int:
+def _epochs(requested: int, n: int, scale: int = 1) -> int:
     # very large sets need fewer passes (and the CPU time stays bounded): cap at ~1500 steps of batch b
-    return max(2, min(requested, 1500 * _batch(n) // n))
+    return max(2, min(requested, 1500 * _batch(n, scale) // n))
 
 
-def _batch(n: int) -> int:
-    return min(4096, max(64, n // 8))
+def _batch(n: int, scale: int = 1) -> int:
+    return min(n // 2, scale * min(4096, max(64, n // 8)))
 
 
 def run_clipless(train, test, delta, cfg, seed, accountant_log):
     d = train.features.shape[1]
     torch.manual_seed(seed)
-    model = cl.lipschitz_mlp((d,), 2, hidden=HIDDEN, input_clip=math.sqrt(d), bias=True)
+    # input_clip: radius as a multiple of sqrt(d) (data-independent); loss_grad_clip: L -> min(L, C)
+    model = cl.lipschitz_mlp((d,), 2, hidden=HIDDEN, input_clip=cfg.get("input_clip", 1.0) * math.sqrt(d), bias=True)
+    if cfg.get("loss_grad_clip"):
+        model.append(cl.LossGradientClip(cfg["loss_grad_clip"]))
     trainer = cl.PrivateTrainer(
         model, torch.optim.Adam(model.parameters(), lr=cfg["lr"]), cl.TauCrossEntropy(cfg["tau"]), train,
-        input_shape=(d,), batch_size=_batch(len(train)), delta=delta, epochs=_epochs(cfg["epochs"], len(train)),
+        input_shape=(d,), batch_size=_batch(len(train), cfg.get("batch_scale", 1)), delta=delta,
+        epochs=_epochs(cfg["epochs"], len(train), cfg.get("batch_scale", 1)),
         target_epsilon=1.0, seed=seed, progress=False, log=None,
     )
     result = trainer.fit()

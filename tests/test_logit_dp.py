@@ -309,6 +309,11 @@ def test_bad_input_errors() -> None:
         GivenPairs(torch.rand(3, 5), torch.rand(3, 4))
     with pytest.raises(ValueError, match="differ in shape"):
         pair_gradient_norms(_mlp(0), torch.rand(3, 12).double(), torch.rand(2, 12).double())
+    x = torch.rand(4, 12)
+    for layer, message in ((nn.BatchNorm1d(8), "batch"), (nn.Dropout(0.1), "dropout")):
+        enc = nn.Sequential(nn.Linear(12, 8), layer, nn.Linear(8, 4))
+        with pytest.raises(ValueError, match=message):
+            logit_dp_gradient(enc, x, x, "contrastive", 1.0, 1.0)
 
 
 def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:

@@ -259,7 +259,20 @@ def pair_gradient_norms(
     return (A + 2.0 * C + B).double().clamp_min(0.0).sqrt()
 
 
+def _check_per_example(encoder: nn.Module) -> None:
+    """Refuse layers that break the per-pair analysis: batch statistics couple the examples of a batch, and
+    random dropout masks would differ between the pass that measures the norms and the one that uses them."""
+    for name, m in encoder.named_modules():
+        if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats is not None:
+            raise ValueError(f"layer {name or 'encoder'} ({type(m).__name__}) couples examples through batch "
+                             "statistics; use a per-example normalization (LayerNorm, GroupNorm)")
+        if m.training and isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            raise ValueError(f"layer {name} ({type(m).__name__}) is random: the clipped pair norms would be "
+                             "measured on a different function than the one differentiated; remove dropout")
+
+
 def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: str, block: int, chunk: int):
+    _check_per_example(encoder)
     if xa.shape != xb.shape:
         raise ValueError(f"pair sides differ in shape: {tuple(xa.shape)} vs {tuple(xb.shape)}")
     if method not in ("auto", "linear", "jacobian"):
