@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import jvp
 
+from .audit import loss_threshold_attack  # re-exported: the KL study audits its runs with it
 from .data import check_finite
 
 INIT_SCHEMES = ("lecun", "xavier", "he", "ntk")
@@ -359,19 +360,6 @@ def membership_advantage_bound(kl: float) -> float:
 def per_example_losses(model: nn.Module, x: Tensor, y: Tensor, loss: str = "cross_entropy") -> Tensor:
     with torch.no_grad():
         return _loss_fn(loss)(model(x), y)[0]
-
-
-def loss_threshold_attack(member_losses: Tensor, nonmember_losses: Tensor) -> Dict[str, float]:
-    """Loss-threshold membership inference (Yeom et al.): guess "member" when the loss is below a threshold.
-
-    Returns the best advantage ``max_t TPR(t) - FPR(t)`` over all thresholds and the AUROC.
-    """
-    from sklearn.metrics import roc_auc_score, roc_curve
-
-    scores = -torch.cat([member_losses, nonmember_losses]).double().numpy()
-    labels = np.concatenate([np.ones(len(member_losses)), np.zeros(len(nonmember_losses))])
-    fpr, tpr, _ = roc_curve(labels, scores)
-    return {"advantage": float(np.max(tpr - fpr)), "auroc": float(roc_auc_score(labels, scores))}
 
 
 __all__ = [
