@@ -180,7 +180,7 @@ class ContrastivePretrainer:
 
     def fit(self) -> PretrainResult:
         if self.epoch == 0 and not self.history:
-            self.history.append({"epoch": 0, "eval_loss": self.eval_loss(), "epsilon": 0.0,  # type: ignore[dict-item]
+            self.history.append({"epoch": 0, "eval_loss": self.eval_loss(), "epsilon": self.epsilon,  # type: ignore[dict-item]
                                  "clipped_fraction": float("nan")})
         while self.epoch < self.epochs:
             start = time.perf_counter()
