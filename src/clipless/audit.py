@@ -9,12 +9,14 @@ bounds every attack's advantage ``TPR - FPR`` by ``(e^eps - 1 + 2 delta) / (e^ep
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
+
+from .trainer import collect_outputs
 
 __all__ = ["dp_advantage_bound", "per_example_losses", "loss_threshold_attack", "shadow_model_attack"]
 
@@ -31,11 +33,8 @@ def dp_advantage_bound(epsilon: float, delta: float) -> float:
 def per_example_losses(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                        data: Dataset, batch_size: int = 2048) -> torch.Tensor:
     """``loss_fn(logits, labels)`` per example (it must return one value per example)."""
-    was = model.training
-    model.eval()
-    out = [loss_fn(model(x), y).reshape(-1) for x, y in DataLoader(data, batch_size=batch_size)]
-    model.train(was)
-    return torch.cat(out).double()
+    logits, labels = collect_outputs(model, data, batch_size)
+    return loss_fn(logits, labels).reshape(-1).double()
 
 
 def _attack_metrics(labels: np.ndarray, scores: np.ndarray) -> Dict[str, float]:
@@ -55,16 +54,11 @@ def loss_threshold_attack(member_losses: torch.Tensor, nonmember_losses: torch.T
 @torch.no_grad()
 def _features(model: nn.Module, data: Dataset, num_classes: int) -> np.ndarray:
     """Attack features: the softmax probability of the true label, its log, and the sorted top-3 probabilities."""
-    was = model.training
-    model.eval()
-    rows = []
-    for x, y in DataLoader(data, batch_size=2048):
-        p = torch.softmax(model(x).double(), dim=1)
-        true = p[torch.arange(len(y)), y]
-        top = p.topk(min(3, num_classes), dim=1).values
-        rows.append(torch.cat([true[:, None], true.clamp_min(1e-30).log()[:, None], top], dim=1))
-    model.train(was)
-    return torch.cat(rows).numpy()
+    logits, y = collect_outputs(model, data)
+    p = torch.softmax(logits.double(), dim=1)
+    true = p[torch.arange(len(y)), y]
+    top = p.topk(min(3, num_classes), dim=1).values
+    return torch.cat([true[:, None], true.clamp_min(1e-30).log()[:, None], top], dim=1).numpy()
 
 
 def shadow_model_attack(

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, check_delta
 from .sampling import poisson_data_loader
-from .trainer import _predictions
+from .trainer import _predictions, collect_outputs
 
 __all__ = ["BaselineResult", "standard_mlp", "standard_cnn", "train_dpsgd", "train_nonprivate", "predict_scores"]
 
@@ -86,15 +86,7 @@ def predict_scores(model: nn.Module, data: Dataset, batch_size: int = 4096) -> D
     """Accuracy, and AUROC of the score ``z_1 - z_0`` when there are two classes (no privacy cost: held-out data)."""
     from sklearn.metrics import roc_auc_score
 
-    was_training = model.training
-    model.eval()
-    logits, labels = [], []
-    with torch.no_grad():
-        for x, y in DataLoader(data, batch_size=batch_size):
-            logits.append(model(x))
-            labels.append(y)
-    model.train(was_training)
-    z, y = torch.cat(logits), torch.cat(labels)
+    z, y = collect_outputs(model, data, batch_size)
     out: Dict[str, Optional[float]] = {"accuracy": float((_predictions(z) == y).double().mean()), "auroc": None}
     if z.shape[1] == 2 and 0 < int(y.sum()) < len(y):
         out["auroc"] = float(roc_auc_score(y.numpy(), (z[:, 1] - z[:, 0]).numpy()))

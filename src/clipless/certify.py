@@ -12,9 +12,9 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from .trainer import _predictions
+from .trainer import _predictions, collect_outputs
 
 __all__ = ["certified_radii", "certified_accuracy"]
 
@@ -39,16 +39,10 @@ def certified_accuracy(
     batch_size: int = 2048,
 ) -> Dict[float, float]:
     """Fraction of ``data`` classified correctly *and* certified at each radius (radius 0 = accuracy)."""
-    was = model.training
-    model.eval()
-    correct_radius = []
-    for x, y in DataLoader(data, batch_size=batch_size):
-        preds, r = certified_radii(model(x), lipschitz)
-        correct_radius.append(torch.where(preds == y, r, torch.full_like(r, -1.0)))
-    model.train(was)
-    rad = torch.cat(correct_radius)
-    return {float(eps): float((rad >= eps).double().mean()) if eps > 0 else float((rad >= 0).double().mean())
-            for eps in radii}
+    logits, y = collect_outputs(model, data, batch_size)
+    preds, r = certified_radii(logits, lipschitz)
+    rad = torch.where(preds == y, r, torch.full_like(r, -1.0))  # misclassified: certified at no radius
+    return {float(eps): float((rad >= eps).double().mean()) for eps in radii}
 
 
 def attack_radius_check(model: nn.Module, x: torch.Tensor, radius: torch.Tensor, steps: int = 50,

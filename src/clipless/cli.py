@@ -239,6 +239,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     from .data import load_dataset
     from .pairs import AugmentedPairs
     from .pretrain import ContrastivePretrainer, knn_accuracy, linear_probe_accuracy
+    from .trainer import _generator
 
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
     if seed is not None:
@@ -252,9 +253,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     else:
         encoder = standard_mlp(shape, args.embedding_dim, hidden=args.hidden)
     padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
-    augment = torch.Generator().manual_seed(seed + 3) if seed is not None else torch.Generator()
-    if seed is None:
-        augment.seed()
+    augment = _generator(None if seed is None else seed + 3)  # fresh OS entropy without a seed
     pairs = AugmentedPairs(data.train.features, padding=padding, flip=args.flip, generator=augment)
     eval_pairs = AugmentedPairs(data.test.features, padding=padding, flip=args.flip,
                                 generator=torch.Generator().manual_seed(12345))

@@ -28,6 +28,7 @@ __all__ = [
     "LOSS_FUNCTIONS",
     "normalized_embedding",
     "similarity_logits",
+    "pair_logits",
     "contrastive_loss",
     "spreadout_loss",
     "logit_gradient",
@@ -53,6 +54,11 @@ def normalized_embedding(encoder: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def similarity_logits(u: torch.Tensor, v: torch.Tensor, tau: float) -> torch.Tensor:
     """``Z_ij = <u_i, v_j> / tau``."""
     return u @ v.T / tau
+
+
+def pair_logits(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, tau: float) -> torch.Tensor:
+    """``Z_ij = cos(Phi(xa_i), Phi(xb_j)) / tau`` for a batch of pairs."""
+    return similarity_logits(normalized_embedding(encoder, xa), normalized_embedding(encoder, xb), tau)
 
 
 def contrastive_loss(z: torch.Tensor) -> torch.Tensor:
@@ -317,6 +323,20 @@ def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: 
 # ---------------------------------------------------------------------------------------------------
 
 
+def _cleared_params(encoder: nn.Module) -> List[nn.Parameter]:
+    params = [p for p in encoder.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    return params
+
+
+def _fill_missing_grads(params: List[nn.Parameter]) -> None:
+    """A parameter the batch did not reach (or an empty batch) has gradient 0, which still gets noise."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_norm: float,
                  method: str = "auto", block: int = 256) -> torch.Tensor:
     """``min(1, B / ||g_ij||)`` for all pairs (float64), with ``||g_ij||`` over-estimated by a bound on
@@ -343,22 +363,16 @@ def logit_dp_gradient(
     _check_loss(loss, tau)
     if not (clip_norm > 0):
         raise ValueError(f"clip norm B must be positive, got {clip_norm}")
-    params = [p for p in encoder.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    n = xa.shape[0]
-    if n == 0:
-        for p in params:
-            p.grad = torch.zeros_like(p)
+    params = _cleared_params(encoder)
+    if xa.shape[0] == 0:
+        _fill_missing_grads(params)
         return {"loss": 0.0, "clipped_fraction": 0.0}
     factor = clip_factors(encoder, xa, xb, clip_norm, method, block)
-    z = similarity_logits(normalized_embedding(encoder, xa), normalized_embedding(encoder, xb), tau)
+    z = pair_logits(encoder, xa, xb, tau)
     a = logit_gradient(z, loss)
     weights = (a.double() * factor).to(z.dtype)
     (weights * z).sum().backward()
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    _fill_missing_grads(params)
     return {"loss": float(LOSS_FUNCTIONS[loss](z.detach())), "clipped_fraction": float((factor < 1).double().mean())}
 
 
@@ -366,21 +380,17 @@ def naive_dp_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, lo
                       clip_norm: float) -> Dict[str, float]:
     """Set ``.grad`` to the whole batch's loss gradient clipped to norm ``C`` (sensitivity ``2C``)."""
     _check_loss(loss, tau)
-    params = [p for p in encoder.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
+    params = _cleared_params(encoder)
     if xa.shape[0] == 0:
-        for p in params:
-            p.grad = torch.zeros_like(p)
+        _fill_missing_grads(params)
         return {"loss": 0.0, "clipped_fraction": 0.0}
-    z = similarity_logits(normalized_embedding(encoder, xa), normalized_embedding(encoder, xb), tau)
-    value = LOSS_FUNCTIONS[loss](z)
+    value = LOSS_FUNCTIONS[loss](pair_logits(encoder, xa, xb, tau))
     value.backward()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+    _fill_missing_grads(params)
+    total = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))  # type: ignore[union-attr]
     factor = min(1.0, clip_norm / max(float(total), 1e-300))
-    for p, g in zip(params, grads):
-        p.grad = g * factor
+    for p in params:
+        p.grad = p.grad * factor  # type: ignore[operator]
     return {"loss": float(value.detach()), "clipped_fraction": float(factor < 1.0)}
 
 
@@ -388,9 +398,7 @@ def nonprivate_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, 
                         tau: float) -> Dict[str, float]:
     """Set ``.grad`` to the batch loss gradient (sum over pairs), no clipping."""
     _check_loss(loss, tau)
-    for p in encoder.parameters():
-        p.grad = None
-    z = similarity_logits(normalized_embedding(encoder, xa), normalized_embedding(encoder, xb), tau)
-    value = LOSS_FUNCTIONS[loss](z)
+    _cleared_params(encoder)
+    value = LOSS_FUNCTIONS[loss](pair_logits(encoder, xa, xb, tau))
     value.backward()
     return {"loss": float(value.detach()), "clipped_fraction": 0.0}

@@ -27,11 +27,11 @@ from .logit_dp import (
     naive_dp_sensitivity,
     nonprivate_gradient,
     normalized_embedding,
-    similarity_logits,
+    pair_logits,
 )
 from .noise import add_gaussian_noise_
 from .sampling import poisson_data_loader
-from .trainer import _generator
+from .trainer import _generator, collect_outputs
 
 __all__ = ["METHODS", "PretrainResult", "ContrastivePretrainer", "embed", "knn_accuracy", "linear_probe_accuracy"]
 
@@ -171,9 +171,7 @@ class ContrastivePretrainer:
         size = max(2, round(self.batch_size))
         total, count = 0.0, 0
         for xa, xb in DataLoader(self.eval_pairs, batch_size=size, drop_last=len(self.eval_pairs) >= size):  # type: ignore[arg-type]
-            z = similarity_logits(normalized_embedding(self.encoder, xa), normalized_embedding(self.encoder, xb),
-                                  self.tau)
-            total += float(LOSS_FUNCTIONS[self.loss](z))
+            total += float(LOSS_FUNCTIONS[self.loss](pair_logits(self.encoder, xa, xb, self.tau)))
             count += xa.shape[0]
         self.encoder.train()
         return total / max(count, 1)
@@ -253,14 +251,7 @@ class ContrastivePretrainer:
 @torch.no_grad()
 def embed(encoder: nn.Module, data: Dataset, batch_size: int = 2048) -> tuple:
     """Normalized embeddings and labels of a labelled dataset."""
-    was = encoder.training
-    encoder.eval()
-    out, labels = [], []
-    for x, y in DataLoader(data, batch_size=batch_size):
-        out.append(normalized_embedding(encoder, x))
-        labels.append(y)
-    encoder.train(was)
-    return torch.cat(out), torch.cat(labels)
+    return collect_outputs(encoder, data, batch_size, forward=lambda x: normalized_embedding(encoder, x))
 
 
 def knn_accuracy(encoder: nn.Module, reference: Dataset, test: Dataset, k: int = 3) -> float:

@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -78,6 +78,23 @@ def evaluate(
     if loss is not None:
         out["loss"] = loss_sum / max(total, 1)
     return out
+
+
+@torch.no_grad()
+def collect_outputs(
+    model: nn.Module, data: Dataset, batch_size: int = 2048, forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(forward(x), y)`` over a labelled dataset, concatenated, with ``model`` in eval mode (restored after);
+    ``forward`` defaults to ``model``."""
+    was_training = model.training
+    model.eval()
+    fn = forward if forward is not None else model
+    outputs, labels = [], []
+    for x, y in DataLoader(data, batch_size=batch_size):
+        outputs.append(fn(x))
+        labels.append(y)
+    model.train(was_training)
+    return torch.cat(outputs), torch.cat(labels)
 
 
 def _generator(seed: Optional[int], device: Union[str, torch.device] = "cpu") -> torch.Generator:
