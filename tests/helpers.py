@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from clipless.bounds import BoundEngine, BoundReport
-from clipless.losses import LipschitzLoss
+from clipless.layers import LipschitzLinear
+from clipless.losses import LipschitzLoss, TauCrossEntropy
 from clipless.tightness import per_example_gradient_norms
 
 TOL = 1e-5  # float32 forward/backward rounding
@@ -123,3 +124,27 @@ def exact_linear_operator_norm(apply: Callable[[torch.Tensor], torch.Tensor], sh
     with torch.no_grad():
         cols = apply(eye).reshape(n, -1)
     return float(torch.linalg.matrix_norm(cols, ord=2))
+
+
+CLASSES = 4
+
+
+def head(width: int, bias: bool = False) -> list:
+    return [nn.Flatten(), LipschitzLinear(width, CLASSES, bias=bias)]
+
+
+def check(model: nn.Module, shape, radius: float = 2.0, seed: int = 0, loss=None, trained: bool = True) -> dict:
+    """True per-example gradient norms never exceed the engine's bounds (random + trained weights)."""
+    torch.manual_seed(seed)
+    loss = loss or TauCrossEntropy(tau=4.0)
+    engine = BoundEngine(model, shape, radius, loss.lipschitz)
+    engine.project_()
+    results = {}
+    for phase in ("random", "trained") if trained else ("random",):
+        if phase == "trained":
+            project_weights(model, engine, 0.5, torch.Generator().manual_seed(seed + 7))
+        worst = worst_gradient_ratios(model, loss, shape, radius, CLASSES, seed=seed, report=engine.compute())
+        for name, ratio in worst.items():
+            assert ratio <= 1 + TOL, f"{phase} weights: layer {name} gradient {ratio:.6f} x its bound"
+        results[phase] = worst
+    return results

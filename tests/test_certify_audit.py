@@ -1,4 +1,4 @@
-"""Robustness certificates (checked by a PGD attack) and membership-inference audits."""
+"""Robustness certificates (checked by a PGD attack), membership-inference audits and the tightness monitor."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import Subset
 
 import clipless as cl
+from clipless.bounds import BoundError, LayerBound
 from clipless.audit import dp_advantage_bound, loss_threshold_attack, per_example_losses, shadow_model_attack
 from clipless.certify import attack_radius_check, certified_accuracy, certified_radii
 from clipless.data import ArrayDataset
@@ -110,3 +111,36 @@ def test_attacks_detect_an_overfit_model() -> None:
     shadow_noisy = _overfit(shadow).noisy_data
     result = shadow_model_attack(lambda d: _overfit(d), shadow_noisy, target, members, nonmembers, 10, num_shadows=2)
     assert result["auroc"] > 0.7
+
+
+def _monitored_trainer(model, monitor, data):
+    loss = cl.TauCrossEntropy(8.0)
+    return cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=0.01), loss, data.train,
+                             input_shape=data.input_shape, input_bound=8.0, batch_size=256, delta=1e-5, epochs=2,
+                             noise_multiplier=1.0, seed=0, progress=False, log=None, tightness_monitor=monitor)
+
+
+def test_tightness_monitor_passes_a_sound_model_and_records_ratios():
+    data = cl.load_digits()
+    monitor = cl.TightnessMonitor(every=3, sample=4)
+    trainer = _monitored_trainer(cl.lipschitz_mlp(data.input_shape, 10, hidden=(32,)), monitor, data)
+    result = trainer.fit()
+    assert set(monitor.worst) == {"1", "3"}  # the two dense layers
+    assert 0.05 < max(monitor.worst.values()) <= 1.0 + 1e-4
+    assert result.history[-1]["max_tightness"] == max(monitor.worst.values())
+
+
+def test_tightness_monitor_stops_training_on_an_understated_bound():
+    """A dense layer declaring a weight factor 10x too small: training stops before that step is released."""
+
+    class Understated(cl.LipschitzLinear):
+        def layer_bound(self, x_bound, in_shape):
+            lb = super().layer_bound(x_bound, in_shape)
+            return LayerBound(lb.lipschitz, lb.out_bound, {"weight": x_bound / 10})
+
+    data = cl.load_digits()
+    model = torch.nn.Sequential(torch.nn.Flatten(), Understated(64, 32), cl.MaxMin(), cl.LipschitzLinear(32, 10))
+    trainer = _monitored_trainer(model, cl.TightnessMonitor(every=5, sample=8), data)
+    with pytest.raises(BoundError, match="bound violated at step 0: .*layer '1'"):
+        trainer.fit()
+    assert trainer.steps == 0 and trainer.accountant.steps == 0

@@ -14,31 +14,15 @@ from torch import nn
 import clipless as cl
 from clipless.bounds import BoundEngine, LayerBound
 
-from helpers import TOL, exact_linear_operator_norm, measured_lipschitz, project_weights, worst_gradient_ratios
-
-CLASSES = 4
-
-
-def head(width: int, bias: bool = False) -> list:
-    return [nn.Flatten(), cl.LipschitzLinear(width, CLASSES, bias=bias)]
-
-
-def check(model: nn.Module, shape, radius: float = 2.0, seed: int = 0, loss=None, trained: bool = True) -> dict:
-    """True per-example gradient norms never exceed the engine's bounds (random + trained weights)."""
-    torch.manual_seed(seed)
-    loss = loss or cl.TauCrossEntropy(tau=4.0)
-    engine = BoundEngine(model, shape, radius, loss.lipschitz)
-    engine.project_()
-    results = {}
-    for phase in ("random", "trained") if trained else ("random",):
-        if phase == "trained":
-            project_weights(model, engine, 0.5, torch.Generator().manual_seed(seed + 7))
-        worst = worst_gradient_ratios(model, loss, shape, radius, CLASSES, seed=seed, report=engine.compute())
-        for name, ratio in worst.items():
-            assert ratio <= 1 + TOL, f"{phase} weights: layer {name} gradient {ratio:.6f} x its bound"
-        results[phase] = worst
-    return results
-
+from helpers import (
+    CLASSES,
+    TOL,
+    check,
+    exact_linear_operator_norm,
+    head,
+    measured_lipschitz,
+    worst_gradient_ratios,
+)
 
 def test_dense_mlp_bounds_hold_and_are_tight():
     model = nn.Sequential(nn.Flatten(), cl.LipschitzLinear(12, 16), cl.MaxMin(), cl.LipschitzLinear(16, CLASSES))

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 import clipless as cl
 

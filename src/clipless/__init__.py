@@ -24,6 +24,7 @@ from .layers import (
     LipschitzLinear,
     LossGradientClip,
     MaxMin,
+    Permute,
     Residual,
     ScaledAvgPool2d,
 )
@@ -38,12 +39,20 @@ from .losses import (
     TauCrossEntropy,
 )
 from .logit_dp import logit_dp_sensitivity, naive_dp_sensitivity, pair_gradient_norms
-from .models import build_loss, build_model, lipschitz_cnn, lipschitz_mlp
+from .models import (
+    build_loss,
+    build_model,
+    lipschitz_cnn,
+    lipschitz_mixer,
+    lipschitz_mlp,
+    lipschitz_resnet,
+    lipschitz_vgg,
+)
 from .optimizer import DPOptimizer
 from .pairs import AugmentedPairs, GivenPairs
 from .pretrain import ContrastivePretrainer, PretrainResult, knn_accuracy, linear_probe_accuracy
 from .sampling import PoissonBatchSampler, poisson_data_loader
-from .tightness import per_example_gradient_norms, tightness
+from .tightness import TightnessMonitor, per_example_gradient_norms, tightness
 from .trainer import PrivateTrainer, TrainResult, evaluate
 
 __version__ = "0.1.0"
@@ -78,6 +87,7 @@ __all__ = [
     "LipschitzLoss",
     "LossGradientClip",
     "MaxMin",
+    "Permute",
     "MulticlassHKR",
     "MulticlassHinge",
     "MulticlassKR",
@@ -88,6 +98,7 @@ __all__ = [
     "Residual",
     "ScaledAvgPool2d",
     "TauCrossEntropy",
+    "TightnessMonitor",
     "TrainResult",
     "build_loss",
     "build_model",
@@ -97,7 +108,10 @@ __all__ = [
     "effective_noise_multiplier",
     "evaluate",
     "lipschitz_cnn",
+    "lipschitz_mixer",
     "lipschitz_mlp",
+    "lipschitz_resnet",
+    "lipschitz_vgg",
     "load_dataset",
     "load_digits",
     "load_mnist",

@@ -8,7 +8,6 @@ Gaussian mechanism with ``sigma_eff = (sum_d sigma_d^-2)^-1/2``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence
 

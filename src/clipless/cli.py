@@ -18,6 +18,7 @@ DEFAULTS: Dict[str, Any] = {
     "model": "mlp",
     "hidden": [128],
     "channels": [16, 32],
+    "patch_size": 4,
     "activation": "maxmin",
     "input_clip": None,
     "loss": "tau_ce",
@@ -49,9 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--max-grad-norm", type=float, help="per-example clipping norm C of dpsgd")
     train.add_argument("--dataset", help="digits (embedded), mnist, or a .npz/.csv tabular file")
     train.add_argument("--data-dir", help="directory holding the dataset files (MNIST IDX .gz, tabular files)")
-    train.add_argument("--model", choices=["mlp", "cnn"])
+    train.add_argument("--model", choices=["mlp", "cnn", "vgg", "resnet", "mixer"],
+                       help="Lipschitz architecture (mlp, cnn, vgg, resnet, mixer)")
     train.add_argument("--hidden", type=int, nargs="*", help="hidden widths of the dense layers")
-    train.add_argument("--channels", type=int, nargs="*", help="conv channels (cnn)")
+    train.add_argument("--channels", type=int, nargs="*",
+                       help="conv channels per stage (cnn, vgg, resnet); mixer: the first value is the token width")
+    train.add_argument("--patch-size", type=int, help="mixer: side of the square patches (must tile the image)")
     train.add_argument("--activation", help="maxmin or groupsortK")
     train.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
     train.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
@@ -153,10 +157,12 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     if config["method"] != "clipless":
         return run_baseline(config, data, seed)
     model_kwargs: Dict[str, Any] = {"input_clip": config["input_clip"], "activation": config["activation"]}
-    if config["model"] == "cnn":
+    if config["model"] != "mlp":
         if len(shape) != 3:
-            raise SystemExit(f"the cnn needs image inputs (C, H, W); {data.name} has shape {shape}")
+            raise SystemExit(f"the {config['model']} needs image inputs (C, H, W); {data.name} has shape {shape}")
         model_kwargs["channels"] = config["channels"]
+    if config["model"] == "mixer":
+        model_kwargs.update(channels=config["channels"][0], patch_size=config["patch_size"])
     model_kwargs["hidden"] = config["hidden"]
     model = build_model(config["model"], shape, classes, **model_kwargs)
     if config["loss_grad_clip"] is not None:
@@ -216,6 +222,9 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
     from .baselines import standard_cnn, standard_mlp, train_dpsgd, train_nonprivate
 
     shape, classes = data.input_shape, data.num_classes
+    if config["model"] not in ("mlp", "cnn"):
+        raise SystemExit(f"--method {config['method']} has unconstrained counterparts of mlp and cnn only, "
+                         f"not {config['model']}")
     if config["model"] == "cnn":
         model = standard_cnn(shape, classes, channels=config["channels"], hidden=config["hidden"])
     else:

@@ -34,6 +34,7 @@ __all__ = [
     "L2NormPool2d",
     "ScaledAvgPool2d",
     "LayerCentering",
+    "Permute",
     "Residual",
     "LossGradientClip",
     "bjorck_orthonormalize",
@@ -125,8 +126,12 @@ class InputNormClip(BoundedModule):
 class LipschitzLinear(BoundedModule):
     """Dense layer ``y = W x (+ b)`` with ``||W||_2 <= 1`` and ``||b|| <= bias_bound``.
 
-    Bounds (SPEC §2): ``l = ||W||_2`` (exact), ``X -> l X + ||b||``,
-    weight factor ``X`` (``||d(Wx)/dW||_op = ||x||``), bias factor 1.
+    Bounds (SPEC §2): ``l = ||W||_2`` (exact), ``X -> l X + sqrt(P) ||b||``,
+    weight factor ``X`` (``||d(Wx)/dW||_op = ||x||``), bias factor ``sqrt(P)``,
+    where ``P`` is the number of positions the layer is applied to (1 for a
+    vector input; the tokens of a ``(tokens, features)`` input, as in MLP-Mixer,
+    where the per-example weight gradient ``sum_t g_t x_t^T`` still has norm
+    ``<= ||G||_F ||X||_F`` by Cauchy-Schwarz).
     ``projection='bjorck'`` keeps ``W`` orthonormal (gradient-norm preserving);
     ``'spectral'`` only rescales when ``||W||_2 > 1``.
     """
@@ -165,11 +170,12 @@ class LipschitzLinear(BoundedModule):
         if lip is None:
             lip = self._norm_cache.put(self.weight, None, certified_spectral_norm(self.weight))
         factors = {"weight": x_bound}
-        bias_norm = 0.0
+        bias_term = 0.0
         if self.bias is not None:
-            bias_norm = certified_norm(self.bias)
-            factors["bias"] = 1.0
-        return LayerBound(lipschitz=lip, out_bound=lip * x_bound + bias_norm, param_factors=factors)
+            root_p = math.sqrt(math.prod(in_shape[:-1]))  # the bias is broadcast over P positions
+            factors["bias"] = root_p
+            bias_term = root_p * certified_norm(self.bias)
+        return LayerBound(lipschitz=lip, out_bound=lip * x_bound + bias_term, param_factors=factors)
 
     def extra_repr(self) -> str:
         return (
@@ -452,6 +458,27 @@ class ScaledAvgPool2d(BoundedModule):
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
         return LayerBound(lipschitz=1.0, out_bound=x_bound)
+
+
+class Permute(BoundedModule):
+    """Reorder the per-example axes (``dims`` excludes the batch axis, numbered from 1): ``l = 1``, ``X -> X``."""
+
+    def __init__(self, *dims: int) -> None:
+        super().__init__()
+        if sorted(dims) != list(range(1, len(dims) + 1)):
+            raise ValueError(f"dims must be a permutation of 1..{len(dims)} (the batch axis 0 stays first), got {dims}")
+        self.dims = tuple(int(d) for d in dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != len(self.dims) + 1:
+            raise ValueError(f"Permute{self.dims} expects {len(self.dims) + 1}-d inputs, got shape {tuple(x.shape)}")
+        return x.permute(0, *self.dims)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound)
+
+    def extra_repr(self) -> str:
+        return f"dims={self.dims}"
 
 
 class LayerCentering(BoundedModule):

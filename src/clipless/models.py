@@ -11,9 +11,12 @@ from .layers import (
     GroupSort,
     InputNormClip,
     L2NormPool2d,
+    LayerCentering,
     LipschitzConv2d,
     LipschitzLinear,
     MaxMin,
+    Permute,
+    Residual,
     ScaledAvgPool2d,
 )
 from .losses import (
@@ -27,7 +30,17 @@ from .losses import (
     TauCrossEntropy,
 )
 
-__all__ = ["lipschitz_mlp", "lipschitz_cnn", "build_model", "build_loss", "MODELS", "LOSSES"]
+__all__ = [
+    "lipschitz_mlp",
+    "lipschitz_cnn",
+    "lipschitz_vgg",
+    "lipschitz_resnet",
+    "lipschitz_mixer",
+    "build_model",
+    "build_loss",
+    "MODELS",
+    "LOSSES",
+]
 
 
 def _activation(name: str) -> nn.Module:
@@ -113,7 +126,144 @@ def lipschitz_cnn(
     return nn.Sequential(*layers)
 
 
-MODELS: Dict[str, Callable[..., nn.Module]] = {"mlp": lipschitz_mlp, "cnn": lipschitz_cnn}
+def _stem(input_shape: Sequence[int], input_clip: Optional[float], input_pool: int) -> Tuple[list, int, int, int]:
+    c, h, w = input_shape
+    layers: list = []
+    if input_clip is not None:
+        layers.append(InputNormClip(input_clip))
+    if input_pool > 1:
+        layers.append(ScaledAvgPool2d(input_pool))
+        h, w = h // input_pool, w // input_pool
+    return layers, c, h, w
+
+
+def _dense_head(width: int, hidden: Sequence[int], num_classes: int, activation: str) -> list:
+    layers: list = [nn.Flatten()]
+    for units in hidden:
+        layers += [LipschitzLinear(width, units), _activation(activation)]
+        width = units
+    layers.append(LipschitzLinear(width, num_classes))
+    return layers
+
+
+def lipschitz_vgg(
+    input_shape: Sequence[int],
+    num_classes: int,
+    channels: Sequence[int] = (16, 32),
+    convs_per_stage: int = 2,
+    hidden: Sequence[int] = (),
+    input_clip: Optional[float] = None,
+    activation: str = "groupsort2",
+    kernel_size: int = 3,
+    input_pool: int = 1,
+    operator_norm: str = "fft",
+) -> nn.Sequential:
+    """VGG-style: stages of ``convs_per_stage x (conv -> GroupSort)`` then ``L2NormPool2d(2)``; dense head.
+
+    Every conv has operator norm <= 1 (certified, FFT bound by default), GroupSort
+    and L2-norm pooling are 1-Lipschitz, so the product rule gives ``l <= 1``.
+    """
+    layers, c, h, w = _stem(input_shape, input_clip, input_pool)
+    for ch in channels:
+        for _ in range(convs_per_stage):
+            layers += [LipschitzConv2d(c, ch, kernel_size, operator_norm=operator_norm), _activation(activation)]
+            c = ch
+        if h >= 2 and w >= 2:
+            layers.append(L2NormPool2d(2))
+            h, w = h // 2, w // 2
+    return nn.Sequential(*layers, *_dense_head(c * h * w, hidden, num_classes, activation))
+
+
+def lipschitz_resnet(
+    input_shape: Sequence[int],
+    num_classes: int,
+    channels: Sequence[int] = (16, 32),
+    blocks_per_stage: int = 1,
+    hidden: Sequence[int] = (),
+    input_clip: Optional[float] = None,
+    activation: str = "maxmin",
+    kernel_size: int = 3,
+    input_pool: int = 1,
+    operator_norm: str = "fft",
+) -> nn.Sequential:
+    """ResNet-style: per stage a conv to the new width, ``blocks_per_stage`` residual blocks
+    ``y = (x + h(x))/2`` with ``h = conv -> act -> conv``, then ``L2NormPool2d(2)``.
+
+    The bound engine treats each block as split + merge: ``l <= 1/2 + l_h/2 <= 1``
+    and parameters inside ``h`` see the gradient bound ``G/2`` (SPEC §2).
+    """
+    layers, c, h, w = _stem(input_shape, input_clip, input_pool)
+    for ch in channels:
+        layers += [LipschitzConv2d(c, ch, kernel_size, operator_norm=operator_norm), _activation(activation)]
+        c = ch
+        for _ in range(blocks_per_stage):
+            branch = nn.Sequential(
+                LipschitzConv2d(c, c, kernel_size, operator_norm=operator_norm),
+                _activation(activation),
+                LipschitzConv2d(c, c, kernel_size, operator_norm=operator_norm),
+            )
+            layers.append(Residual(branch))
+        if h >= 2 and w >= 2:
+            layers.append(L2NormPool2d(2))
+            h, w = h // 2, w // 2
+    return nn.Sequential(*layers, *_dense_head(c * h * w, hidden, num_classes, activation))
+
+
+def lipschitz_mixer(
+    input_shape: Sequence[int],
+    num_classes: int,
+    patch_size: int = 7,
+    channels: int = 64,
+    blocks: int = 2,
+    token_hidden: int = 32,
+    channel_hidden: int = 128,
+    hidden: Sequence[int] = (),
+    input_clip: Optional[float] = None,
+    activation: str = "maxmin",
+    input_pool: int = 1,
+) -> nn.Sequential:
+    """MLP-Mixer: patch embedding, then blocks of token mixing and channel mixing, each a residual
+    ``y = (x + h(x))/2`` whose branch centers every token over its channels (per example) and applies a
+    1-Lipschitz MLP along one axis.
+
+    Patch embedding is a conv with kernel = stride = patch (disjoint patches: ``s = 1``). Token and
+    channel mixing are dense maps on disjoint slices of the ``(tokens, channels)`` array: ``l = ||W||``,
+    weight factor ``X`` (SPEC §2), the same constants as a dense layer.
+    """
+    layers, c, h, w = _stem(input_shape, input_clip, input_pool)
+    if h % patch_size or w % patch_size:
+        raise ValueError(f"image {h}x{w} is not divisible into {patch_size}x{patch_size} patches")
+    tokens = (h // patch_size) * (w // patch_size)
+    layers += [
+        LipschitzConv2d(c, channels, patch_size, stride=patch_size, padding=0),
+        nn.Flatten(2),  # (channels, tokens)
+        Permute(2, 1),  # (tokens, channels)
+    ]
+
+    def mlp(width: int, inner: int) -> list:
+        return [LipschitzLinear(width, inner), _activation_last(activation), LipschitzLinear(inner, width)]
+
+    for _ in range(blocks):
+        token_mixing = nn.Sequential(LayerCentering(dims=-1), Permute(2, 1), *mlp(tokens, token_hidden), Permute(2, 1))
+        channel_mixing = nn.Sequential(LayerCentering(dims=-1), *mlp(channels, channel_hidden))
+        layers += [Residual(token_mixing), Residual(channel_mixing)]
+    return nn.Sequential(*layers, *_dense_head(tokens * channels, hidden, num_classes, activation))
+
+
+def _activation_last(name: str) -> nn.Module:
+    """The activation grouping features along the last axis (dense maps on ``(tokens, channels)`` arrays)."""
+    act = _activation(name)
+    act.dim = -1  # type: ignore[assignment]
+    return act
+
+
+MODELS: Dict[str, Callable[..., nn.Module]] = {
+    "mlp": lipschitz_mlp,
+    "cnn": lipschitz_cnn,
+    "vgg": lipschitz_vgg,
+    "resnet": lipschitz_resnet,
+    "mixer": lipschitz_mixer,
+}
 
 
 def build_model(name: str, input_shape: Tuple[int, ...], num_classes: int, **kwargs: Any) -> nn.Module:

@@ -12,10 +12,10 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from .bounds import BoundReport
+from .bounds import BoundError, BoundReport
 from .losses import LipschitzLoss
 
-__all__ = ["per_example_gradient_norms", "tightness"]
+__all__ = ["per_example_gradient_norms", "tightness", "TightnessMonitor"]
 
 
 def per_example_gradient_norms(
@@ -41,3 +41,44 @@ def tightness(
     for layer in report.layers:
         out[layer.name] = float(norms[layer.name].max()) / layer.bound if layer.bound > 0 else 0.0
     return out
+
+
+class TightnessMonitor:
+    """Checks during training that true per-example gradients stay within the engine's bounds (SPEC §3.5).
+
+    Every ``every`` steps, ``sample`` examples of the current batch get their
+    per-layer gradient norms from autograd (one example at a time) and are
+    compared with the bound report of that step.  A ratio above ``1 + tol``
+    means the released noise was calibrated to a wrong sensitivity: the
+    monitor raises :class:`BoundError` before the optimizer releases the step.
+    ``tol`` covers float32 rounding of the forward/backward only.
+
+    The recorded ratios are computed from training examples without noise:
+    they are a diagnostic for the developer, not covered by the privacy
+    guarantee, and should not be published.
+    """
+
+    def __init__(self, every: int = 50, sample: int = 8, tol: float = 1e-4) -> None:
+        if every < 1 or sample < 1:
+            raise ValueError("every and sample must be >= 1")
+        self.every, self.sample, self.tol = int(every), int(sample), float(tol)
+        self.worst: Dict[str, float] = {}
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def check(
+        self, model: nn.Module, loss: LipschitzLoss, x: torch.Tensor, y: torch.Tensor, report: BoundReport, step: int
+    ) -> Dict[str, float]:
+        """Ratios of this check; raises :class:`BoundError` if any exceeds ``1 + tol``."""
+        ratios = tightness(model, loss, x[: self.sample], y[: self.sample], report)
+        for name, ratio in ratios.items():
+            self.worst[name] = max(self.worst.get(name, 0.0), ratio)
+        broken = {name: r for name, r in ratios.items() if r > 1 + self.tol}
+        if broken:
+            detail = ", ".join(f"layer '{n}' {r:.6f}x" for n, r in broken.items())
+            raise BoundError(
+                f"bound violated at step {step}: a per-example gradient exceeds its certified bound ({detail}); "
+                "training stopped before releasing the step, since its noise would not give the stated epsilon"
+            )
+        return ratios

@@ -23,6 +23,7 @@ from .bounds import BoundedModule
 from .engine import PrivacyEngine
 from .losses import LipschitzLoss
 from .noise import STRATEGIES, allocate_layer_noise, noise_energy_allocation
+from .tightness import TightnessMonitor
 
 __all__ = ["PrivateTrainer", "TrainResult", "evaluate"]
 
@@ -115,6 +116,8 @@ class PrivateTrainer:
     ``layer_noise_multipliers`` may be a dict of relative weights or ``'energy'``
     (:func:`~clipless.noise.noise_energy_allocation`).  ``seed`` fixes the
     sampling and noise generators (for experiments; the result says so).
+    ``tightness_monitor`` checks true per-example gradients against the bounds
+    during training and stops with :class:`~clipless.BoundError` if one exceeds them.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class PrivateTrainer:
         log: Optional[Callable[[str], None]] = print,
         checkpoint_path: Optional[Union[str, Path]] = None,
         average_decay: Optional[float] = None,
+        tightness_monitor: Optional[TightnessMonitor] = None,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}")
@@ -220,6 +224,7 @@ class PrivateTrainer:
         if average_decay is not None and not (0.0 < average_decay < 1.0):
             raise ValueError("average_decay must be in (0, 1)")
         self.average_decay = average_decay
+        self.tightness_monitor = tightness_monitor
         self.averaged_model: Optional[nn.Module] = copy.deepcopy(self.model) if average_decay else None
         if self.averaged_model is not None:
             self.averaged_model._forward_pre_hooks.clear()  # the input guard belongs to the trained model
@@ -265,6 +270,10 @@ class PrivateTrainer:
             logits = self.model(x)
             per_example = self.loss.per_example(logits, y)
             per_example.sum().backward()
+            monitor = self.tightness_monitor
+            if monitor is not None and monitor.due(self.steps):
+                # before the step: the noise of this step is calibrated to the report of these weights
+                monitor.check(self.model, self.loss, x, y, self.optimizer.bound_engine.compute(), self.steps)
             self.optimizer.step()
             if self.averaged_model is not None:
                 self._update_average()
@@ -288,6 +297,8 @@ class PrivateTrainer:
             self.epoch += 1
             row = {"epoch": self.epoch, "steps": self.steps, **stats, "epsilon": self.epsilon()}
             row["epoch_time_s"] = time.perf_counter() - start
+            if self.tightness_monitor is not None and self.tightness_monitor.worst:
+                row["max_tightness"] = max(self.tightness_monitor.worst.values())
             if self.test_data is not None:
                 row["test_accuracy"] = evaluate(self.eval_model(), self.test_data, device=self.device)["accuracy"]
             self.history.append(row)
