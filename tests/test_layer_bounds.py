@@ -107,10 +107,13 @@ def test_conv_declared_lipschitz_above_true_operator_norm(c):
 
         true_norm = exact_linear_operator_norm(apply, shape)
         assert declared >= true_norm * (1 - 1e-9), (declared, true_norm)
+        # After an FFT projection the certificate adds the float32 rounding of the division,
+        # sqrt(s) * 2 eps ||W||_F, instead of recomputing the spectrum.
+        slack = 1e-6 + math.sqrt(conv.overlap_for(shape)) * 2 * torch.finfo(torch.float32).eps * float(weight.norm())
         if c["norm"] == "fft" and c["mode"] == "circular" and c["stride"] == 1 and c["k"] % 2 == 1:
-            assert declared <= true_norm * (1 + 1e-6)  # exact for circular stride-1 convolutions
+            assert declared <= true_norm * (1 + slack)  # exact for circular stride-1 convolutions
         if phase:
-            assert declared <= 1 + 1e-6  # projection keeps the layer 1-Lipschitz
+            assert declared <= 1 + slack  # projection keeps the layer 1-Lipschitz
 
 
 def test_dense_declared_lipschitz_is_exact_spectral_norm():
