@@ -19,6 +19,7 @@ DEFAULTS: Dict[str, Any] = {
     "hidden": [128],
     "channels": [16, 32],
     "patch_size": 4,
+    "features": "none",
     "activation": "maxmin",
     "input_clip": None,
     "loss": "tau_ce",
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--channels", type=int, nargs="*",
                        help="conv channels per stage (cnn, vgg, resnet); mixer: the first value is the token width")
     train.add_argument("--patch-size", type=int, help="mixer: side of the square patches (must tile the image)")
+    train.add_argument("--features", choices=["none", "scattering"],
+                       help="scattering: train on fixed wavelet scattering features of the images (data-independent, "
+                       "norm 1; the model must be mlp)")
     train.add_argument("--activation", help="maxmin or groupsortK")
     train.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
     train.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
@@ -154,6 +158,13 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         torch.manual_seed(seed)
     data = load_dataset(config["dataset"], config["data_dir"], seed=seed or 0)
     shape, classes = data.input_shape, data.num_classes
+    if config["features"] == "scattering":
+        from .features import scattering_split
+
+        if config["model"] != "mlp" or len(shape) != 3:
+            raise SystemExit("--features scattering needs image data and --model mlp (the features are a vector)")
+        data = scattering_split(data, radius=1.0, progress=bool(config["progress"]))
+        shape = data.input_shape
     if config["method"] != "clipless":
         return run_baseline(config, data, seed)
     model_kwargs: Dict[str, Any] = {"input_clip": config["input_clip"], "activation": config["activation"]}
@@ -175,7 +186,9 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     # has norm <= sqrt(dim); tabular data has no natural bound, so an input clip is required.
     input_bound = None
     if config["input_clip"] is None:
-        if data.name in ("digits", "mnist"):
+        if config["features"] == "scattering":
+            input_bound = 1.0  # every feature vector has norm exactly 1 (or 0)
+        elif data.name in ("digits", "mnist"):
             input_bound = float(torch.tensor(shape).prod().sqrt())
         else:
             raise SystemExit("tabular data has no fixed norm bound: pass --input-clip C")
