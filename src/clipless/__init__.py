@@ -16,6 +16,7 @@ from .bounds import BoundedModule, BoundEngine, BoundError, BoundReport, LayerBo
 from .data import ArrayDataset, DataSplit, load_dataset, load_digits, load_mnist, load_tabular
 from .engine import PrivacyEngine
 from .layers import (
+    AdaptiveLossGradientClip,
     GroupSort,
     InputNormClip,
     L2NormPool2d,
@@ -58,6 +59,7 @@ from .trainer import PrivateTrainer, TrainResult, evaluate
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveLossGradientClip",
     "ArrayDataset",
     "AugmentedPairs",
     "ContrastivePretrainer",

@@ -17,6 +17,7 @@ from dp_accounting import pld, rdp
 __all__ = [
     "PrivacyAccountant",
     "effective_noise_multiplier",
+    "gradient_noise_multiplier",
     "compute_epsilon",
     "calibrate_noise_multiplier",
     "calibrate_steps",
@@ -33,6 +34,20 @@ def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
     if any(not (s > 0) for s in noise_multipliers):
         raise ValueError(f"noise multipliers must be positive, got {list(noise_multipliers)}")
     return sum(s**-2 for s in noise_multipliers) ** -0.5
+
+
+def gradient_noise_multiplier(step_sigma: float, other_sigmas: Sequence[float]) -> float:
+    """The ``sigma`` left for the gradient when other Gaussian mechanisms share the step (inverse of the rule above).
+
+    ``sigma^-2 = sigma_eff^-2 - sum_k sigma_k^-2``; raises when the others alone already exceed the budget.
+    """
+    rest = step_sigma**-2 - sum(s**-2 for s in other_sigmas)
+    if not rest > 0:
+        raise ValueError(
+            f"the other mechanisms of the step (noise multipliers {list(other_sigmas)}) already spend the whole "
+            f"budget of sigma_eff={step_sigma:.4g}: raise their noise multipliers"
+        )
+    return rest**-0.5
 
 
 def check_delta(delta: float, dataset_size: int) -> None:

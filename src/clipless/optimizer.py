@@ -13,8 +13,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from .accounting import PrivacyAccountant
+from .accounting import PrivacyAccountant, effective_noise_multiplier
 from .bounds import BoundEngine, BoundError, BoundReport
+from .layers import AdaptiveLossGradientClip
 from .noise import add_noise_, layer_noise_multipliers, strategy_effective_sigma
 
 __all__ = ["DPOptimizer", "InputGuard"]
@@ -76,7 +77,9 @@ class DPOptimizer:
         self.noise_multiplier = float(noise_multiplier)
         report = bound_engine.compute()
         self.layer_sigmas: Dict[str, float] = layer_noise_multipliers(report, strategy, noise_multiplier, layer_noise)
-        self.effective_noise_multiplier = strategy_effective_sigma(strategy, list(self.layer_sigmas.values()))
+        # Adaptive clipping releases a noisy count per step on the same batch: one more Gaussian mechanism.
+        self.adaptive_clips = [m for m in bound_engine.model.modules() if isinstance(m, AdaptiveLossGradientClip)]
+        self.effective_noise_multiplier = self._step_sigma(list(self.layer_sigmas.values()))
         bounded = {id(p) for layer in report.layers for p in layer.params}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -96,8 +99,14 @@ class DPOptimizer:
         if set(layer_sigmas) != set(self.layer_sigmas):
             raise ValueError("layer noise multipliers must name exactly the bounded layers")
         sigmas = {k: float(v) for k, v in layer_sigmas.items()}
-        self.effective_noise_multiplier = strategy_effective_sigma(self.strategy, list(sigmas.values()))
+        self.effective_noise_multiplier = self._step_sigma(list(sigmas.values()))
         self.layer_sigmas = sigmas
+
+    def _step_sigma(self, layer_sigmas: List[float]) -> float:
+        """``sigma_eff`` of one step: the gradient noise and every adaptive-clipping count (SPEC §3.3-3.4)."""
+        gradient = strategy_effective_sigma(self.strategy, layer_sigmas)
+        counts = [clip.count_noise_multiplier for clip in self.adaptive_clips]
+        return effective_noise_multiplier([gradient, *counts]) if counts else gradient
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -118,6 +127,8 @@ class DPOptimizer:
         )
         self.original_optimizer.step()
         self.bound_engine.project_()
+        for clip in self.adaptive_clips:  # after the step: its noise used the C of this batch's backward
+            clip.update_(self.expected_batch_size, self.generator)
         self.accountant.step(self.effective_noise_multiplier, self.sample_rate)
         return loss
 

@@ -18,8 +18,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .accounting import calibrate_noise_multiplier, calibrate_steps, check_delta, compute_epsilon
+from .accounting import (
+    calibrate_noise_multiplier,
+    calibrate_steps,
+    check_delta,
+    compute_epsilon,
+    gradient_noise_multiplier,
+)
 from .bounds import BoundedModule
+from .layers import AdaptiveLossGradientClip
 from .engine import PrivacyEngine
 from .losses import LipschitzLoss
 from .noise import STRATEGIES, allocate_layer_noise, noise_energy_allocation
@@ -170,6 +177,9 @@ class PrivateTrainer:
             )
         else:
             sigma = float(noise_multiplier)
+        counts = [m.count_noise_multiplier for m in model.modules() if isinstance(m, AdaptiveLossGradientClip)]
+        if counts and noise_multiplier is None:
+            sigma = gradient_noise_multiplier(sigma, counts)
 
         self.sampling_generator = _generator(None if seed is None else seed + 1)
         self.model, self.optimizer, self.loader = self.privacy_engine.make_private(
