@@ -25,7 +25,7 @@ from clipless.features import scattering_split
 from report import print_table, write_json
 
 
-def run(data, epsilon: float, args, setup_seconds: float) -> dict:
+def run(data, epsilon: float, args, setup_seconds: float = 0.0) -> dict:
     torch.manual_seed(args.seed)
     model = cl.lipschitz_mlp(data.input_shape, 10, hidden=tuple(args.hidden), input_clip=args.input_clip,
                              projection=args.projection)

@@ -17,6 +17,7 @@ from argparse import Namespace
 import torch
 
 import clipless as cl
+from clipless.plots import plot_pareto
 from clipless.baselines import standard_mlp, train_dpsgd, train_nonprivate
 from mnist import run as run_clipless
 from report import print_table, write_json
@@ -41,7 +42,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     data = cl.load_mnist(args.data_dir)
-    clipless_args = Namespace(hidden=[args.hidden], input_clip=8.0, loss_grad_clip=0.25, lr=args.clipless_lr, tau=6.0,
+    clipless_args = Namespace(hidden=[args.hidden], projection="bjorck", input_clip=8.0, loss_grad_clip=0.25,
+                              lr=args.clipless_lr, tau=6.0,
                               batch_size=args.clipless_batch, delta=args.delta, epochs=args.clipless_epochs,
                               seed=args.seed, progress=False, verbose=False, average_decay=None)
     rows = []
@@ -72,24 +74,12 @@ def main() -> None:
     print(f"non-private ceiling (same MLP, {args.dpsgd_epochs} epochs): {ceiling.test_accuracy:.4f}")
     write_json(args.out, {"config": vars(args), "rows": rows, "nonprivate_accuracy": ceiling.test_accuracy})
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    eps = [r["epsilon"] for r in rows]
-    ax.plot(eps, [r["clipless_accuracy"] for r in rows], "o-", label="clipless DP-SGD")
-    ax.plot(eps, [r["dpsgd_accuracy"] for r in rows], "s-", label=f"DP-SGD (Opacus, C={args.max_grad_norm})")
-    ax.axhline(ceiling.test_accuracy, color="gray", ls=":", label="non-private")
-    ax.set(xscale="log", xlabel="epsilon (delta = 1e-5)", ylabel="MNIST test accuracy",
-           title=f"MNIST, MLP 784-{args.hidden}-10")
-    ax.legend()
-    fig.tight_layout()
-    png = args.out.rsplit(".", 1)[0] + ".png"
-    fig.savefig(png, dpi=120)
+    png = plot_pareto(
+        {"clipless DP-SGD": {r["epsilon"]: r["clipless_accuracy"] for r in rows},
+         f"DP-SGD (Opacus, C={args.max_grad_norm})": {r["epsilon"]: r["dpsgd_accuracy"] for r in rows}},
+        args.out.rsplit(".", 1)[0] + ".png", reference=ceiling.test_accuracy,
+    )
     print(f"wrote {png}")
-
 
 if __name__ == "__main__":
     main()

@@ -40,19 +40,24 @@ def _build(method: str, model_name: str, batch: int, device: str):
     import clipless as cl
     from clipless.baselines import standard_cnn, standard_mlp
 
-    shape = (1, 28, 28)
+    # "linear": the MNIST recipe's head on 3969 scattering features (benchmarks/mnist.py), features precomputed
+    shape = (3969,) if model_name == "linear" else (1, 28, 28)
+    bound = 1.0 if model_name == "linear" else 28.0
     x = torch.rand(batch, *shape, device=device)
+    x = x * (bound / x.flatten(1).norm(dim=1)).reshape((-1,) + (1,) * len(shape))
     y = torch.randint(0, 10, (batch,), device=device)
     if method in ("lipschitz", "clipless"):
         if model_name == "cnn":
-            model = cl.lipschitz_cnn(shape, 10, channels=(16, 32), input_clip=28.0)
+            model = cl.lipschitz_cnn(shape, 10, channels=(16, 32), input_clip=bound)
+        elif model_name == "linear":
+            model = cl.lipschitz_mlp(shape, 10, hidden=(), input_clip=bound, projection="spectral")
         else:
-            model = cl.lipschitz_mlp(shape, 10, hidden=(256, 256), input_clip=28.0)
+            model = cl.lipschitz_mlp(shape, 10, hidden=(256, 256), input_clip=bound)
         model = model.to(device)
         loss = cl.TauCrossEntropy(8.0)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         if method == "lipschitz":
-            engine = cl.BoundEngine(model, shape, 28.0, loss.lipschitz)
+            engine = cl.BoundEngine(model, shape, bound, loss.lipschitz)
 
             def step() -> None:
                 opt.zero_grad()
@@ -62,7 +67,7 @@ def _build(method: str, model_name: str, batch: int, device: str):
             return step
         model, dp_opt, _ = cl.PrivacyEngine().make_private(
             module=model, optimizer=opt, data=cl.ArrayDataset(x.cpu(), y.cpu()), loss=loss, noise_multiplier=1.0,
-            input_shape=shape, batch_size=batch / 2, input_bound=28.0,
+            input_shape=shape, batch_size=batch / 2, input_bound=bound,
         )
 
         def step() -> None:
@@ -70,8 +75,11 @@ def _build(method: str, model_name: str, batch: int, device: str):
             loss.per_example(model(x), y).sum().backward()
             dp_opt.step()
         return step
-    model = (standard_cnn(shape, 10, channels=(16, 32)) if model_name == "cnn"
-             else standard_mlp(shape, 10, hidden=(256, 256))).to(device)
+    if model_name == "cnn":
+        model = standard_cnn(shape, 10, channels=(16, 32))
+    else:
+        model = standard_mlp(shape, 10, hidden=() if model_name == "linear" else (256, 256))
+    model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     if method == "opacus":
         from opacus import PrivacyEngine
@@ -115,7 +123,7 @@ def worker(method: str, model_name: str, batch: int, repeats: int, threads: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--models", nargs="+", default=["cnn"], choices=["cnn", "mlp"])
+    parser.add_argument("--models", nargs="+", default=["cnn"], choices=["cnn", "mlp", "linear"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3,

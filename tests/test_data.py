@@ -87,3 +87,49 @@ def test_dataset_name_errors():
         cl.load_dataset("mnist")
     with pytest.raises(ValueError, match="unknown dataset"):
         cl.load_dataset("cifar")
+
+
+def test_colour_spaces_match_independent_formulas():
+    import colorsys
+
+    from clipless.data import convert_colour_space
+
+    x = torch.rand(20, 3, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[0] = 0.5  # grey: hue and saturation 0
+    x[1] = 0.0  # black
+    hsv, yuv, grey = (convert_colour_space(x, s) for s in ("hsv", "yuv", "grayscale"))
+    for n in range(20):
+        for i in range(3):
+            for j in range(2):
+                r, g, b = x[n, :, i, j].tolist()
+                assert hsv[n, :, i, j].tolist() == pytest.approx(colorsys.rgb_to_hsv(r, g, b), abs=1e-12)
+                y = 0.299 * r + 0.587 * g + 0.114 * b
+                expected = [y, 0.492111 * (b - y), 0.877283 * (r - y)]  # BT.601 U, V from their definitions
+                assert yuv[n, :, i, j].tolist() == pytest.approx(expected, abs=1e-4)  # published 5-digit weights
+                assert float(grey[n, 0, i, j]) == pytest.approx(y)
+    assert torch.equal(convert_colour_space(x, "rgb"), x)
+    assert grey.shape == (20, 1, 3, 2)
+
+
+def test_colour_space_errors():
+    from clipless.data import convert_colour_space
+
+    with pytest.raises(ValueError, match="3 channels"):
+        convert_colour_space(torch.rand(4, 1, 8, 8), "hsv")
+    with pytest.raises(ValueError, match="unknown colour space"):
+        convert_colour_space(torch.rand(4, 3, 8, 8), "lab")
+    bad = torch.rand(4, 3, 8, 8)
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError):
+        convert_colour_space(bad, "yuv")
+
+
+def test_input_norms_and_histogram_figure(tmp_path):
+    from clipless.data import input_norms
+    from clipless.plots import plot_norm_histograms
+
+    x = torch.rand(50, 3, 4, 4)
+    norms = input_norms(x)
+    assert torch.allclose(norms, x.flatten(1).double().norm(dim=1))
+    path = plot_norm_histograms({"rgb": norms}, tmp_path / "h.png", clip=2.0)
+    assert path.stat().st_size > 1000

@@ -19,5 +19,5 @@ def test_mnist_benchmark_end_to_end(shared_data, tmp_path):
                     "--epsilons", "2", "--out", str(out)], check=True, timeout=1200)
     row = json.loads(out.read_text())["rows"][0]
     assert row["epsilon"] <= 2.0
-    assert row["test_accuracy"] >= 0.90
+    assert row["test_accuracy"] >= 0.95  # issue 2: >= 95% at epsilon <= 2 within 15 minutes on 2 cores
     assert row["total_seconds"] < 15 * 60

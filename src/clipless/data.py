@@ -28,6 +28,9 @@ __all__ = [
     "clip_norm",
     "normalize_to_sphere",
     "signed_log1p",
+    "COLOUR_SPACES",
+    "convert_colour_space",
+    "input_norms",
     "check_finite",
     "read_idx",
 ]
@@ -102,6 +105,47 @@ def normalize_to_sphere(x: torch.Tensor, radius: float = 1.0) -> torch.Tensor:
 def signed_log1p(x: torch.Tensor) -> torch.Tensor:
     """``sign(x) log(1 + |x|)`` per feature: a fixed, data-independent squashing of heavy-tailed tabular features."""
     return torch.sign(x) * torch.log1p(x.abs())
+
+
+COLOUR_SPACES = ("rgb", "hsv", "yuv", "grayscale")
+
+# ITU-R BT.601 luma and chroma weights (YUV), the usual analogue definition.
+_YUV = torch.tensor([[0.299, 0.587, 0.114], [-0.14713, -0.28886, 0.436], [0.615, -0.51499, -0.10001]])
+
+
+def convert_colour_space(x: torch.Tensor, space: str) -> torch.Tensor:
+    """Map RGB values in ``[0, 1]`` (channels on axis 1: ``(N, 3, ...)``) to ``space``, example by example.
+
+    A fixed per-pixel map, so it is data-independent pre-processing (SPEC §3.3).
+    It changes the distribution of input norms, hence how much an input-norm clip
+    discards and how large the first layer's gradient bound is.  ``hsv`` has all
+    three channels in ``[0, 1]`` (hue as a fraction of the turn); ``yuv`` is BT.601;
+    ``grayscale`` keeps one channel (the luma ``Y``).
+    """
+    if space not in COLOUR_SPACES:
+        raise ValueError(f"unknown colour space {space!r}; choose from {COLOUR_SPACES}")
+    if x.dim() < 2 or x.shape[1] != 3:
+        raise ValueError(f"expected RGB inputs with 3 channels on axis 1, got shape {tuple(x.shape)}")
+    check_finite(x, "images")
+    if space == "rgb":
+        return x
+    if space in ("yuv", "grayscale"):
+        weights = _YUV.to(x) if space == "yuv" else _YUV[:1].to(x)
+        return torch.einsum("oc,nc...->no...", weights, x)
+    r, g, b = x[:, 0], x[:, 1], x[:, 2]
+    maxc, minc = x.max(dim=1).values, x.min(dim=1).values
+    delta = maxc - minc
+    safe = torch.where(delta > 0, delta, torch.ones_like(delta))
+    hue = torch.where(maxc == r, torch.remainder((g - b) / safe, 6.0),
+                      torch.where(maxc == g, (b - r) / safe + 2.0, (r - g) / safe + 4.0))
+    hue = torch.where(delta > 0, hue / 6.0, torch.zeros_like(hue))
+    sat = torch.where(maxc > 0, delta / torch.where(maxc > 0, maxc, torch.ones_like(maxc)), torch.zeros_like(maxc))
+    return torch.stack((hue, sat, maxc), dim=1)
+
+
+def input_norms(x: torch.Tensor) -> torch.Tensor:
+    """Per-example L2 norms (what an input-norm clip compares with its radius)."""
+    return torch.linalg.vector_norm(x.flatten(1).to(torch.float64), dim=1)
 
 
 def _split(
