@@ -265,3 +265,19 @@ def test_conv_bound_cache_is_sound_and_invalidated_by_any_weight_change():
     conv.weight.data.mul_(2.0)  # not seen by autograd's version counter
     assert conv.certified_lipschitz(shape) == pytest.approx(2 * fresh, rel=1e-6)
     assert conv.layer_bound(1.0, (4, 12, 12)).lipschitz == pytest.approx(conv.fft_operator_norm((4, 12, 12)))
+
+
+def test_fft_mode_declares_the_smaller_of_two_certified_bounds():
+    """Striding makes the FFT bound loose; the layer then falls back to the reshaped-kernel bound."""
+    torch.manual_seed(0)
+    conv = cl.LipschitzConv2d(4, 6, 3, stride=2, padding=1, operator_norm="fft")
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(6, 4, 1, 1) * (1 + 0.1 * torch.randn(6, 4, 3, 3)))  # smooth kernel
+    shape = (4, 8, 8)
+    reshaped = math.sqrt(conv.overlap_for(shape)) * cl.bounds.certified_spectral_norm(conv._kernel_matrix())
+    fft = conv.fft_operator_norm(shape)
+    declared = conv.layer_bound(1.0, shape).lipschitz
+    assert declared == min(reshaped, fft) and reshaped < fft
+    weight = conv.weight.detach().double()
+    true = exact_linear_operator_norm(lambda x: F.conv2d(x, weight, stride=2, padding=1), shape)
+    assert true <= declared

@@ -309,15 +309,16 @@ class LipschitzConv2d(BoundedModule):
         return (n + 2 * self.padding[dim] - self.kernel_size[dim]) // self.stride + 1
 
     def certified_lipschitz(self, in_shape: Tuple[int, ...]) -> float:
-        """``l``: the FFT bound or ``sqrt(s) ||W_mat||_2`` (the reshaped-kernel bound); cached per exact weights."""
+        """``l``: ``sqrt(s) ||W_mat||_2`` (the reshaped-kernel bound), or with ``operator_norm='fft'`` the
+        smaller of it and the FFT bound (both certified; the FFT bound ignores striding, so for strided
+        convolutions the reshaped bound can be the tighter one).  Cached per exact weights."""
         key = (self.operator_norm, tuple(in_shape[-2:]))
         cached = self._norm_cache.get(self.weight, key)
         if cached is not None:
             return cached
+        value = math.sqrt(self.overlap_for(in_shape)) * certified_spectral_norm(self._kernel_matrix())
         if self.operator_norm == "fft":
-            value = self.fft_operator_norm(in_shape)
-        else:
-            value = math.sqrt(self.overlap_for(in_shape)) * certified_spectral_norm(self._kernel_matrix())
+            value = min(value, self.fft_operator_norm(in_shape))
         return self._norm_cache.put(self.weight, key, value)
 
     @torch.no_grad()
