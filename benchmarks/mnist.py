@@ -29,7 +29,10 @@ def run(data, epsilon: float, args, setup_seconds: float = 0.0) -> dict:
     torch.manual_seed(args.seed)
     model = cl.lipschitz_mlp(data.input_shape, 10, hidden=tuple(args.hidden), input_clip=args.input_clip,
                              projection=args.projection)
-    if args.loss_grad_clip is not None:  # clip d loss / d logits per example: L -> min(L, C)
+    if args.adaptive_quantile is not None:  # C follows a private quantile; the count's noise enters epsilon
+        model.append(cl.AdaptiveLossGradientClip(args.loss_grad_clip, count_noise_multiplier=args.batch_size / 20,
+                                                 target_quantile=args.adaptive_quantile))
+    elif args.loss_grad_clip is not None:  # clip d loss / d logits per example: L -> min(L, C)
         model.append(cl.LossGradientClip(args.loss_grad_clip))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = cl.PrivateTrainer(
@@ -63,6 +66,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--tau", type=float, default=64.0)
     p.add_argument("--loss-grad-clip", type=float, default=0.25, help="clip each example's logit gradient to C")
+    p.add_argument("--adaptive-quantile", type=float, default=None,
+                   help="adaptive loss-gradient clip (starts at --loss-grad-clip, count noise = batch / 20)")
     p.add_argument("--average-decay", type=float, default=None, help="EMA of the iterates (post-processing)")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)

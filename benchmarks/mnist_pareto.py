@@ -43,6 +43,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     data = cl.load_mnist(args.data_dir)
     clipless_args = Namespace(hidden=[args.hidden], projection="bjorck", input_clip=8.0, loss_grad_clip=0.25,
+                              adaptive_quantile=None,
                               lr=args.clipless_lr, tau=6.0,
                               batch_size=args.clipless_batch, delta=args.delta, epochs=args.clipless_epochs,
                               seed=args.seed, progress=False, verbose=False, average_decay=None)

@@ -138,3 +138,18 @@ def test_invalid_settings_are_refused():
         cl.AdaptiveLossGradientClip(1.0, count_noise_multiplier=1.0, target_quantile=1.0)
     with pytest.raises(ValueError):
         cl.AdaptiveLossGradientClip(-1.0, count_noise_multiplier=1.0)
+
+
+def test_cli_adaptive_clip(tmp_path):
+    import json
+
+    from clipless.cli import main
+
+    out = tmp_path / "run"
+    main(["train", "--epochs", "2", "--loss-grad-clip", "0.5", "--adaptive-clip-quantile", "0.6",
+          "--count-noise-multiplier", "20", "--accountant", "rdp", "--output-dir", str(out), "--no-progress"])
+    result = json.loads((out / "result.json").read_text())
+    assert result["epsilon"] <= 3.0 + 1e-9
+    assert result["effective_noise_multiplier"] < result["noise_multiplier"]  # the count shares the budget
+    with pytest.raises(SystemExit, match="initial clip"):
+        main(["train", "--adaptive-clip-quantile", "0.5", "--output-dir", str(out), "--no-progress"])

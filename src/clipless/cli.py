@@ -25,6 +25,8 @@ DEFAULTS: Dict[str, Any] = {
     "loss": "tau_ce",
     "tau": 8.0,
     "loss_grad_clip": None,
+    "adaptive_clip_quantile": None,
+    "count_noise_multiplier": None,
     "epsilon": 3.0,
     "delta": 1e-5,
     "noise_multiplier": None,
@@ -65,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
     train.add_argument("--tau", type=float, help="temperature of tau_ce")
     train.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C))")
+    train.add_argument("--adaptive-clip-quantile", type=float,
+                       help="make the loss-gradient clip adaptive: C tracks this private quantile of the logit "
+                       "gradient norms (Andrew et al.), starting at --loss-grad-clip; its cost enters epsilon")
+    train.add_argument("--count-noise-multiplier", type=float,
+                       help="noise multiplier of the adaptive clip's count (default: batch size / 20)")
     train.add_argument("--epsilon", type=float, help="target epsilon (sigma is calibrated to reach it)")
     train.add_argument("--delta", type=float)
     train.add_argument("--noise-multiplier", type=float, help="fix sigma instead (with --epsilon: steps are calibrated)")
@@ -149,7 +156,7 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
 
 def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     from .data import load_dataset
-    from .layers import LossGradientClip
+    from .layers import AdaptiveLossGradientClip, LossGradientClip
     from .models import build_loss, build_model
     from .trainer import PrivateTrainer
 
@@ -176,7 +183,13 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         model_kwargs.update(channels=config["channels"][0], patch_size=config["patch_size"])
     model_kwargs["hidden"] = config["hidden"]
     model = build_model(config["model"], shape, classes, **model_kwargs)
-    if config["loss_grad_clip"] is not None:
+    if config["adaptive_clip_quantile"] is not None:
+        if config["loss_grad_clip"] is None:
+            raise SystemExit("--adaptive-clip-quantile needs --loss-grad-clip as the initial clip norm")
+        count_sigma = config["count_noise_multiplier"] or float(config["batch_size"]) / 20
+        model.append(AdaptiveLossGradientClip(float(config["loss_grad_clip"]), count_noise_multiplier=count_sigma,
+                                              target_quantile=float(config["adaptive_clip_quantile"])))
+    elif config["loss_grad_clip"] is not None:
         model.append(LossGradientClip(float(config["loss_grad_clip"])))
     loss_kwargs = {"tau": config["tau"]} if config["loss"] == "tau_ce" else {}
     loss = build_loss(config["loss"], classes, **loss_kwargs)
