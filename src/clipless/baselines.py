@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from .models import build_optimizer
 from tqdm.auto import tqdm
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, check_delta
@@ -93,14 +95,6 @@ def predict_scores(model: nn.Module, data: Dataset, batch_size: int = 4096) -> D
     return out
 
 
-def _optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
-    if name == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    raise ValueError(f"unknown optimizer {name!r} (adam, sgd)")
-
-
 def train_dpsgd(
     model: nn.Module,
     train_data: Dataset,
@@ -142,7 +136,7 @@ def train_dpsgd(
     if noise_multiplier is None:
         noise_multiplier = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps,  # type: ignore[arg-type]
                                                       ours.mechanism)
-    opt = _optimizer(model, optimizer, lr)
+    opt = build_optimizer(model.parameters(), optimizer, lr)
     with warnings.catch_warnings():  # experiments use torch's RNG for the noise, like clipless' seeded generator
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         engine = OpacusEngine(accountant="rdp")
@@ -193,7 +187,7 @@ def train_nonprivate(
         torch.manual_seed(seed)
     loader = DataLoader(train_data, batch_size=batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(seed) if seed is not None else None)
-    opt = _optimizer(model, optimizer, lr)
+    opt = build_optimizer(model.parameters(), optimizer, lr)
     start = time.perf_counter()
     for _ in tqdm(range(epochs), desc="non-private", disable=not progress):
         for x, y in loader:

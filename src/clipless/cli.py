@@ -157,7 +157,7 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
 def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     from .data import load_dataset
     from .layers import AdaptiveLossGradientClip, LossGradientClip
-    from .models import build_loss, build_model
+    from .models import build_loss, build_model, build_optimizer
     from .trainer import PrivateTrainer
 
     seed: Optional[int] = None if config["seed"] is None or config["seed"] < 0 else int(config["seed"])
@@ -193,8 +193,7 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         model.append(LossGradientClip(float(config["loss_grad_clip"])))
     loss_kwargs = {"tau": config["tau"]} if config["loss"] == "tau_ce" else {}
     loss = build_loss(config["loss"], classes, **loss_kwargs)
-    opt_cls = torch.optim.Adam if config["optimizer"] == "adam" else torch.optim.SGD
-    optimizer = opt_cls(model.parameters(), lr=config["lr"])
+    optimizer = build_optimizer(model.parameters(), config["optimizer"], config["lr"])
     # Without an InputNormClip layer, the data must respect a fixed bound: pixel data in [0, 1]
     # has norm <= sqrt(dim); tabular data has no natural bound, so an input clip is required.
     input_bound = None
@@ -272,6 +271,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     """``clipless pretrain``: pairs from random crops and flips of the training images."""
     from .baselines import standard_cnn, standard_mlp
     from .data import load_dataset
+    from .models import build_optimizer
     from .pairs import AugmentedPairs
     from .pretrain import ContrastivePretrainer, knn_accuracy, linear_probe_accuracy
     from .trainer import _generator
@@ -292,11 +292,10 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     pairs = AugmentedPairs(data.train.features, padding=padding, flip=args.flip, generator=augment)
     eval_pairs = AugmentedPairs(data.test.features, padding=padding, flip=args.flip,
                                 generator=torch.Generator().manual_seed(12345))
-    opt_cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer = ContrastivePretrainer(
-        encoder, opt_cls(encoder.parameters(), lr=args.lr), pairs, method=args.method, loss=args.loss,
+        encoder, build_optimizer(encoder.parameters(), args.optimizer, args.lr), pairs, method=args.method, loss=args.loss,
         tau=args.tau, clip_norm=args.clip_norm, batch_size=args.batch_size, epochs=args.epochs,
         delta=args.delta, target_epsilon=None if args.noise_multiplier else args.epsilon,
         noise_multiplier=args.noise_multiplier, accountant=args.accountant, seed=seed, eval_pairs=eval_pairs,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from .layers import (
@@ -38,6 +39,7 @@ __all__ = [
     "lipschitz_mixer",
     "build_model",
     "build_loss",
+    "build_optimizer",
     "MODELS",
     "LOSSES",
 ]
@@ -281,6 +283,15 @@ LOSSES: Dict[str, Callable[..., LipschitzLoss]] = {
     "hkr": lambda k, **kw: MulticlassHKR(k, **kw),
     "kcosine": lambda k, **kw: KCosineSimilarity(**kw),
 }
+
+
+def build_optimizer(params: Iterable[nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
+    """``adam``, or ``sgd`` with momentum 0.9: the same choice for clipless, DP-SGD and non-private runs."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r} (adam, sgd)")
 
 
 def build_loss(name: str, num_classes: int, **kwargs: Any) -> LipschitzLoss:
