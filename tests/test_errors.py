@@ -138,3 +138,39 @@ def test_budget_too_small_for_one_step(data):
     with pytest.raises(ValueError, match="single step"):
         trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data, noise_multiplier=0.05,
                     target_epsilon=0.01, accountant="rdp")
+
+
+@pytest.mark.parametrize("width", [16, 784, 3969, 100_000])
+def test_input_bound_check_is_exact_near_the_bound(width):
+    """The float32 fast path of the data-bound check never lets an input above the bound through."""
+    from clipless.optimizer import _largest_norm
+
+    gen = torch.Generator().manual_seed(width)
+    bound = 3.0
+    for rel in (-1e-4, -1e-6, 0.0, 2e-6, 1e-5, 1e-3):
+        x = torch.rand(8, width, generator=gen, dtype=torch.float64) + 1e-3
+        x = x / x.norm(dim=1, keepdim=True) * bound * (1 + rel)
+        x32 = x.float()
+        exact = float(x32.double().norm(dim=1).max())
+        got = _largest_norm(x32, bound)
+        if exact > bound * (1 + 1e-6):
+            assert got > bound * (1 + 1e-6)
+        gamma = 2 * width * 2.0**-24  # the float32 path is only taken when this error cannot cross the bound
+        assert abs(got - exact) <= gamma * exact + 1e-12
+    x = torch.full((2, width), 1e-3)
+    assert _largest_norm(x, bound) == pytest.approx(float(x.double().norm(dim=1).max()), rel=2 * width * 2.0**-24)
+
+
+def test_nan_and_inf_inputs_refused_by_the_guard():
+    model = cl.lipschitz_mlp((5,), 3, hidden=(4,), input_clip=1.0)
+    engine = cl.PrivacyEngine()
+    model, _, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      data=cl.ArrayDataset(torch.rand(20, 5), torch.randint(0, 3, (20,))),
+                                      loss=cl.TauCrossEntropy(1.0), noise_multiplier=1.0, input_shape=(5,),
+                                      batch_size=5)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.rand(4, 5)
+        x[2, 3] = bad
+        with pytest.raises(BoundError, match="NaN or infinite"):
+            model(x)
+    model(torch.full((2, 5), 3e38))  # finite entries whose sum overflows are still accepted
