@@ -39,6 +39,7 @@ __all__ = [
     "Residual",
     "LossGradientClip",
     "AdaptiveLossGradientClip",
+    "adaptive_clips",
     "bjorck_orthonormalize",
 ]
 
@@ -632,3 +633,8 @@ class AdaptiveLossGradientClip(BoundedModule):
             f"clip_norm={self.max_norm:.4g}, target_quantile={self.target_quantile}, "
             f"count_noise_multiplier={self.count_noise_multiplier}, learning_rate={self.learning_rate}"
         )
+
+
+def adaptive_clips(model: nn.Module) -> list:
+    """The :class:`AdaptiveLossGradientClip` layers of ``model`` (each adds a count mechanism to every step)."""
+    return [m for m in model.modules() if isinstance(m, AdaptiveLossGradientClip)]

@@ -87,47 +87,6 @@ def lipschitz_mlp(
     return nn.Sequential(*layers)
 
 
-def lipschitz_cnn(
-    input_shape: Sequence[int],
-    num_classes: int,
-    channels: Sequence[int] = (16, 32),
-    hidden: Sequence[int] = (),
-    input_clip: Optional[float] = None,
-    activation: str = "maxmin",
-    kernel_size: int = 3,
-    pool: int = 2,
-    projection: str = "spectral",
-    input_pool: int = 1,
-    operator_norm: str = "fft",
-) -> nn.Sequential:
-    """``[ScaledAvgPool2d] -> (conv -> MaxMin -> L2NormPool)* -> Flatten -> dense``; every block 1-Lipschitz.
-
-    Convolutions use the exact FFT operator-norm bound by default (``operator_norm='reshaped'``
-    for the looser ``sqrt(s) ||W_mat||`` bound).
-    """
-    c, h, w = input_shape
-    layers: list = []
-    if input_clip is not None:
-        layers.append(InputNormClip(input_clip))
-    if input_pool > 1:
-        layers.append(ScaledAvgPool2d(input_pool))
-        h, w = h // input_pool, w // input_pool
-    for ch in channels:
-        conv = LipschitzConv2d(c, ch, kernel_size, projection=projection, operator_norm=operator_norm)
-        layers += [conv, _activation(activation)]
-        if pool > 1 and h >= pool and w >= pool:
-            layers.append(L2NormPool2d(pool))
-            h, w = h // pool, w // pool
-        c = ch
-    layers.append(nn.Flatten())
-    width = c * h * w
-    for units in hidden:
-        layers += [LipschitzLinear(width, units), _activation(activation)]
-        width = units
-    layers.append(LipschitzLinear(width, num_classes))
-    return nn.Sequential(*layers)
-
-
 def _stem(input_shape: Sequence[int], input_clip: Optional[float], input_pool: int) -> Tuple[list, int, int, int]:
     c, h, w = input_shape
     layers: list = []
@@ -146,6 +105,35 @@ def _dense_head(width: int, hidden: Sequence[int], num_classes: int, activation:
         width = units
     layers.append(LipschitzLinear(width, num_classes))
     return layers
+
+
+def lipschitz_cnn(
+    input_shape: Sequence[int],
+    num_classes: int,
+    channels: Sequence[int] = (16, 32),
+    hidden: Sequence[int] = (),
+    input_clip: Optional[float] = None,
+    activation: str = "maxmin",
+    kernel_size: int = 3,
+    pool: int = 2,
+    projection: str = "spectral",
+    input_pool: int = 1,
+    operator_norm: str = "fft",
+) -> nn.Sequential:
+    """``[ScaledAvgPool2d] -> (conv -> MaxMin -> L2NormPool)* -> Flatten -> dense``; every block 1-Lipschitz.
+
+    Convolutions use the exact FFT operator-norm bound by default (``operator_norm='reshaped'``
+    for the looser ``sqrt(s) ||W_mat||`` bound).
+    """
+    layers, c, h, w = _stem(input_shape, input_clip, input_pool)
+    for ch in channels:
+        conv = LipschitzConv2d(c, ch, kernel_size, projection=projection, operator_norm=operator_norm)
+        layers += [conv, _activation(activation)]
+        if pool > 1 and h >= pool and w >= pool:
+            layers.append(L2NormPool2d(pool))
+            h, w = h // pool, w // pool
+        c = ch
+    return nn.Sequential(*layers, *_dense_head(c * h * w, hidden, num_classes, activation))
 
 
 def lipschitz_vgg(

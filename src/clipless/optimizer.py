@@ -15,7 +15,7 @@ from torch import nn
 
 from .accounting import PrivacyAccountant, effective_noise_multiplier
 from .bounds import BoundEngine, BoundError, BoundReport
-from .layers import AdaptiveLossGradientClip
+from .layers import adaptive_clips
 from .noise import add_noise_, layer_noise_multipliers, strategy_effective_sigma
 
 __all__ = ["DPOptimizer", "InputGuard"]
@@ -97,7 +97,7 @@ class DPOptimizer:
         report = bound_engine.compute()
         self.layer_sigmas: Dict[str, float] = layer_noise_multipliers(report, strategy, noise_multiplier, layer_noise)
         # Adaptive clipping releases a noisy count per step on the same batch: one more Gaussian mechanism.
-        self.adaptive_clips = [m for m in bound_engine.model.modules() if isinstance(m, AdaptiveLossGradientClip)]
+        self.adaptive_clips = adaptive_clips(bound_engine.model)
         self.effective_noise_multiplier = self._step_sigma(list(self.layer_sigmas.values()))
         bounded = {id(p) for layer in report.layers for p in layer.params}
         for group in optimizer.param_groups:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .bounds import BoundError, BoundReport
-from .layers import AdaptiveLossGradientClip
+from .layers import adaptive_clips
 from .losses import LipschitzLoss
 
 __all__ = ["per_example_gradient_norms", "tightness", "TightnessMonitor"]
@@ -74,9 +74,8 @@ class TightnessMonitor:
     ) -> Dict[str, float]:
         """Ratios of this check; raises :class:`BoundError` if any exceeds ``1 + tol``."""
         with contextlib.ExitStack() as stack:
-            for clip in model.modules():
-                if isinstance(clip, AdaptiveLossGradientClip):  # these backward passes are not part of the step
-                    stack.enter_context(clip.counting_paused())
+            for clip in adaptive_clips(model):  # these backward passes are not part of the step
+                stack.enter_context(clip.counting_paused())
             ratios = tightness(model, loss, x[: self.sample], y[: self.sample], report)
         for name, ratio in ratios.items():
             self.worst[name] = max(self.worst.get(name, 0.0), ratio)

@@ -26,7 +26,7 @@ from .accounting import (
     gradient_noise_multiplier,
 )
 from .bounds import BoundedModule
-from .layers import AdaptiveLossGradientClip
+from .layers import adaptive_clips
 from .engine import PrivacyEngine
 from .losses import LipschitzLoss
 from .noise import STRATEGIES, allocate_layer_noise, noise_energy_allocation
@@ -177,7 +177,7 @@ class PrivateTrainer:
             )
         else:
             sigma = float(noise_multiplier)
-        counts = [m.count_noise_multiplier for m in model.modules() if isinstance(m, AdaptiveLossGradientClip)]
+        counts = [clip.count_noise_multiplier for clip in adaptive_clips(model)]
         if counts and noise_multiplier is None:
             sigma = gradient_noise_multiplier(sigma, counts)
 
