@@ -22,7 +22,7 @@ def _trainer(clip: nn.Module, epochs: int = 3, **kw):
     model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(64,))
     model.append(clip)
     args = dict(input_shape=data.input_shape, input_bound=8.0, batch_size=128, delta=DELTA, epochs=epochs,
-                seed=0, test_data=data.test, progress=False, log=None)
+                noise_seed=0, test_data=data.test, progress=False, log=None)
     args.update(kw)
     return cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=0.01), cl.TauCrossEntropy(8.0),
                              data.train, **args)

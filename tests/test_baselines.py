@@ -21,7 +21,7 @@ def test_dpsgd_meets_the_budget_and_learns(digits):
     torch.manual_seed(0)
     model = standard_mlp(digits.input_shape, 10, hidden=(64,))
     result = train_dpsgd(model, digits.train, batch_size=256, epochs=15, delta=1e-5, max_grad_norm=1.0,
-                         target_epsilon=3.0, lr=5e-3, seed=0, test_data=digits.test, progress=False)
+                         target_epsilon=3.0, lr=5e-3, seed=0, noise_seed=0, test_data=digits.test, progress=False)
     assert result.epsilon <= 3.0 and result.epsilon == pytest.approx(3.0, abs=0.02)
     n_batches = -(-len(digits.train) // 256)
     assert result.sample_rate == pytest.approx(1 / n_batches) and result.steps == 15 * n_batches
@@ -36,7 +36,7 @@ def test_dpsgd_with_huge_noise_does_not_learn(digits):
     torch.manual_seed(0)
     model = standard_mlp(digits.input_shape, 10, hidden=(64,))
     result = train_dpsgd(model, digits.train, batch_size=256, epochs=5, delta=1e-5, max_grad_norm=1.0,
-                         noise_multiplier=1e4, lr=5e-3, seed=0, test_data=digits.test, progress=False)
+                         noise_multiplier=1e4, lr=5e-3, seed=0, noise_seed=0, test_data=digits.test, progress=False)
     assert result.test_accuracy < 0.35 and result.epsilon < 0.01
 
 

@@ -55,7 +55,7 @@ def test_private_linear_head_on_scattering_features_learns_mnist(shared_data):
     model.append(cl.LossGradientClip(0.25))
     trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), cl.TauCrossEntropy(64.0),
                                 data.train, input_shape=data.input_shape, batch_size=1000, delta=1e-5, epochs=3,
-                                target_epsilon=2.0, seed=0, test_data=data.test, progress=False, log=None)
+                                target_epsilon=2.0, noise_seed=0, test_data=data.test, progress=False, log=None)
     result = trainer.fit()
     assert result.epsilon <= 2.0
     assert result.test_accuracy > 0.85

@@ -239,7 +239,7 @@ def test_bounds_hold_after_private_training_on_real_data():
     loss = cl.TauCrossEntropy(8.0)
     trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=0.02), loss, data.train,
                                 input_shape=data.input_shape, input_bound=8.0, batch_size=256, delta=1e-5, epochs=3,
-                                noise_multiplier=1.0, seed=0, progress=False, log=None, accountant="rdp")
+                                noise_multiplier=1.0, noise_seed=0, progress=False, log=None, accountant="rdp")
     trainer.fit()
     report = trainer.optimizer.bound_engine.compute()
     real = cl.tightness(model, loss, data.train.features[:64], data.train.labels[:64], report)

@@ -225,14 +225,14 @@ def test_random_crop_flip() -> None:
 def _digits_pairs():
     data = load_digits()
     return data, AugmentedPairs(data.train.features, padding=1, flip=False,
-                                generator=torch.Generator().manual_seed(0))
+                                seed=0)
 
 
 def _trainer(method: str, **kw) -> ContrastivePretrainer:
     data, pairs = _digits_pairs()
     torch.manual_seed(0)
     enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
-    opts = dict(method=method, batch_size=128, epochs=2, delta=1e-4, noise_multiplier=1.0, seed=0,
+    opts = dict(method=method, batch_size=128, epochs=2, delta=1e-4, noise_multiplier=1.0, noise_seed=0,
                 eval_pairs=AugmentedPairs(data.test.features, 1, False), progress=False, log=None)
     opts.update(kw)
     lr = opts.pop("lr", 1e-3)

@@ -43,18 +43,22 @@ def test_noise_std_matches_global_sensitivity():
 
 
 def test_per_layer_noise_and_effective_sigma():
-    model, opt, _, _, _, _ = small_setup(strategy="per_layer", noise=2.0)
-    assert opt.effective_noise_multiplier == pytest.approx(2.0 / math.sqrt(2))
+    """noise_multiplier is the gradient's effective sigma; layer_noise_multipliers are relative weights."""
+    _, opt, _, _, _, _ = small_setup(strategy="per_layer", noise=2.0)
     names = list(opt.layer_sigmas)
-    opt.set_layer_noise({names[0]: 1.0, names[1]: 4.0})
-    assert opt.effective_noise_multiplier == pytest.approx((1 + 4**-2) ** -0.5)
+    assert opt.effective_noise_multiplier == pytest.approx(2.0)  # equal weights: 2 sqrt(2) each, composed to 2
+    assert list(opt.layer_sigmas.values()) == pytest.approx([2.0 * math.sqrt(2)] * 2)
+    model, opt, _, _, _, _ = small_setup(strategy="per_layer", noise=2.0, layer_noise={names[0]: 1.0, names[1]: 4.0})
+    c = 2.0 * math.sqrt(1 + 4**-2)  # sigma_d = c w_d with (sum_d sigma_d^-2)^-1/2 = 2
+    assert list(opt.layer_sigmas.values()) == pytest.approx([c, 4 * c])
+    assert opt.effective_noise_multiplier == pytest.approx(2.0)
     draws = {n: [] for n in names}
     for _ in range(200):
         opt.zero_grad()
         opt.step()
         for layer in opt.last_report.layers:
             draws[layer.name].append(torch.cat([p.grad.flatten() for p in layer.params]))
-    for name, sigma in zip(names, (1.0, 4.0)):
+    for name, sigma in zip(names, (c, 4 * c)):
         expected = sigma * 2 * math.sqrt(2) / 8.0
         assert torch.stack(draws[name]).std().item() == pytest.approx(expected, rel=0.03)
 

@@ -17,7 +17,7 @@ def digits_trainer(epochs=4, seed=0, **kw):
     data = cl.load_digits(seed=0)
     model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(64, 64))
     args = dict(input_shape=data.input_shape, batch_size=256, delta=1e-5, epochs=epochs, target_epsilon=3.0,
-                input_bound=8.0, seed=seed, test_data=data.test, progress=False, log=None)
+                input_bound=8.0, noise_seed=seed, test_data=data.test, progress=False, log=None)
     args.update(kw)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     return cl.PrivateTrainer(model, opt, cl.TauCrossEntropy(8.0), data.train, **args)
@@ -29,7 +29,7 @@ def test_digits_private_training_learns_within_budget():
     assert result.epsilon <= 3.0
     assert result.epsilon > 2.9  # the calibrated sigma spends the budget
     assert result.test_accuracy > 0.5  # chance is 0.1
-    assert result.sampling == "poisson" and result.seed == 0
+    assert result.sampling == "poisson" and result.randomness == "fixed-seed" and not result.private
     assert not result.stopped_by_budget  # the planned epochs fit the budget
     assert len(result.history) == 15
 
@@ -74,7 +74,7 @@ def test_mnist_smoke(shared_data):
     model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(128,), input_clip=8.0)
     trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3), cl.TauCrossEntropy(8.0),
                                 data.train, input_shape=data.input_shape, batch_size=2048, delta=1e-5, epochs=1,
-                                target_epsilon=1.0, seed=0, test_data=data.test, progress=False, log=None,
+                                target_epsilon=1.0, noise_seed=0, test_data=data.test, progress=False, log=None,
                                 accountant="rdp")
     result = trainer.fit()
     assert result.epsilon <= 1.0

@@ -23,7 +23,10 @@ from torch.utils.data import DataLoader, Dataset
 from .models import build_optimizer
 from tqdm.auto import tqdm
 
-from .accounting import PrivacyAccountant, calibrate_noise_multiplier, check_delta
+from .accounting import PrivacyAccountant, check_delta
+from .bounds import BoundReport
+from .calibration import plan_noise, planned_steps
+from .randomness import make_generator, randomness_label
 from .sampling import poisson_data_loader
 from .trainer import _predictions, collect_outputs
 
@@ -77,11 +80,18 @@ class BaselineResult:
     sampling: str
     accountant: Optional[str]
     seed: Optional[int]
+    private: bool
+    randomness: str
+    privacy_note: str
     wall_time_s: float
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+# Clipped DP-SGD releases one Gaussian per step at the clip norm: the plan's single "layer".
+_SINGLE_MECHANISM = BoundReport(layers=(), input_bound=1.0, output_bound=1.0, loss_lipschitz=1.0)
 
 
 def predict_scores(model: nn.Module, data: Dataset, batch_size: int = 4096) -> Dict[str, Optional[float]]:
@@ -109,11 +119,16 @@ def train_dpsgd(
     optimizer: str = "adam",
     accountant: str = "pld",
     seed: Optional[int] = None,
+    noise_seed: Optional[int] = None,
     test_data: Optional[Dataset] = None,
     progress: bool = True,
 ) -> BaselineResult:
     """Clipped DP-SGD (Abadi et al.) through Opacus: per-example gradients clipped to ``max_grad_norm``,
     noise ``N(0, sigma^2 C^2)`` on the sum, division by the expected batch size, Poisson sampling.
+
+    ``seed`` (public) fixes the initialization; the noise and the batches come from OS entropy unless
+    ``noise_seed`` fixes them (then the result says the run is not private).  Sigma comes from the same
+    noise plan as clipless (:func:`~clipless.calibration.plan_noise`, one Gaussian mechanism).
     """
     try:
         from opacus import PrivacyEngine as OpacusEngine
@@ -127,31 +142,34 @@ def train_dpsgd(
         raise ValueError("max_grad_norm must be > 0")
     if seed is not None:
         torch.manual_seed(seed)
-    loader = DataLoader(train_data, batch_size=batch_size,
-                        generator=torch.Generator().manual_seed(seed) if seed is not None else None)
+    loader = DataLoader(train_data, batch_size=batch_size)
     # Opacus' Poisson loader samples at rate 1/len(loader) and runs len(loader) steps per epoch.
     sample_rate = 1.0 / len(loader)
-    steps = epochs * len(loader)
+    steps = planned_steps(epochs, len(loader))
     ours = PrivacyAccountant(accountant)
-    if noise_multiplier is None:
-        noise_multiplier = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps,  # type: ignore[arg-type]
-                                                      ours.mechanism)
+    plan = plan_noise(_SINGLE_MECHANISM, sample_rate=sample_rate, accountant=ours.mechanism,
+                      noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta, steps=steps)
+    noise_multiplier, steps = plan.gradient_sigma, plan.max_steps
     opt = build_optimizer(model.parameters(), optimizer, lr)
-    with warnings.catch_warnings():  # experiments use torch's RNG for the noise, like clipless' seeded generator
+    with warnings.catch_warnings():  # the noise comes from our generator (OS entropy unless noise_seed is given)
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         engine = OpacusEngine(accountant="rdp")
         model, opt, dp_loader = engine.make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm, poisson_sampling=True,
+            max_grad_norm=max_grad_norm, poisson_sampling=True, noise_generator=make_generator(noise_seed, stream=2),
         )
     assert abs(dp_loader.sample_rate - sample_rate) < 1e-12
     # The same Poisson sampling as Opacus' loader (rate q, len(loader) steps per epoch), through the
     # library's batched gather: Opacus' loader fetches records one by one, which dominates small models.
-    batches = poisson_data_loader(train_data, sample_rate, torch.Generator().manual_seed(seed + 1) if seed is not None
-                                  else None, steps_per_epoch=len(loader))
+    batches = poisson_data_loader(train_data, sample_rate, make_generator(noise_seed, stream=1),
+                                  steps_per_epoch=len(loader))
+    taken = 0
     start = time.perf_counter()
     for _ in tqdm(range(epochs), desc="dp-sgd (opacus)", disable=not progress):
         for x, y in batches:
+            if taken >= steps:  # a budget-capped plan (fixed sigma and a target) may stop mid-epoch
+                break
+            taken += 1
             opt.zero_grad()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Full backward hook")
@@ -164,8 +182,9 @@ def train_dpsgd(
     return BaselineResult(
         method="dpsgd", test_accuracy=scores["accuracy"], test_auroc=scores["auroc"],
         epsilon=ours.get_epsilon(delta), delta=delta, noise_multiplier=noise_multiplier,
-        max_grad_norm=max_grad_norm, steps=steps, epochs=epochs, expected_batch_size=sample_rate * n,
-        sample_rate=sample_rate, sampling="poisson", accountant=accountant, seed=seed, wall_time_s=wall,
+        max_grad_norm=max_grad_norm, steps=taken, epochs=epochs, expected_batch_size=sample_rate * n,
+        sample_rate=sample_rate, sampling="poisson", accountant=accountant, seed=seed,
+        **randomness_label(noise_seed), wall_time_s=wall,
         extra={"opacus_rdp_epsilon": float(engine.get_epsilon(delta))},
     )
 
@@ -200,5 +219,5 @@ def train_nonprivate(
         method="nonprivate", test_accuracy=scores["accuracy"], test_auroc=scores["auroc"], epsilon=None, delta=None,
         noise_multiplier=None, max_grad_norm=None, steps=epochs * len(loader), epochs=epochs,
         expected_batch_size=float(batch_size), sample_rate=None, sampling="shuffled", accountant=None, seed=seed,
-        wall_time_s=wall,
+        private=False, randomness="n/a", privacy_note="non-private baseline: no guarantee", wall_time_s=wall,
     )

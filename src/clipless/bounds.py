@@ -30,6 +30,7 @@ __all__ = [
     "BoundError",
     "LayerBound",
     "BoundedModule",
+    "DeclaredConstants",
     "LayerSensitivity",
     "BoundReport",
     "BoundEngine",
@@ -117,7 +118,24 @@ class LayerBound:
         return self.lipschitz * min(g_out, self.grad_cap)
 
 
-class BoundedModule(nn.Module):
+class DeclaredConstants:
+    """Attributes listed in ``constants`` are set once, in ``__init__``, then read-only.
+
+    The bounds trust them (an input clip's radius, a loss's temperature, a count's noise multiplier):
+    changing one after the bounds or the noise plan were computed would silently void them.
+    """
+
+    constants: Tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in type(self).constants and name in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is a declared constant of the privacy analysis; "
+                f"build a new {type(self).__name__} instead of changing it")
+        super().__setattr__(name, value)
+
+
+class BoundedModule(DeclaredConstants, nn.Module):
     """Base class of leaf layers that take part in the bound protocol."""
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
@@ -166,6 +184,15 @@ class BoundReport:
         return {layer.name: layer.bound for layer in self.layers}
 
 
+def _check_forward_matches_bounds(cls: type, name: str) -> None:
+    """A subclass that changes ``forward`` but inherits ``layer_bound`` declares bounds for another function."""
+    forward_owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
+    bound_owner = next(c for c in cls.__mro__ if "layer_bound" in c.__dict__)
+    if bound_owner is BoundedModule or not issubclass(bound_owner, forward_owner):
+        raise BoundError(f"layer '{name}' ({cls.__name__}) defines forward in {forward_owner.__name__} but its bounds "
+                         f"in {bound_owner.__name__}: a layer that changes forward must declare its own layer_bound()")
+
+
 def _residual_type() -> type:
     from .layers import Residual  # local import: layers depends on this module
 
@@ -186,40 +213,62 @@ class BoundEngine:
         model: nn.Module,
         input_shape: Sequence[int],
         input_bound: float,
-        loss_lipschitz: float,
+        loss: Any,
     ) -> None:
+        """``loss``: the loss (anything with ``lipschitz``, checked against the model's output shape through
+        its ``check_output_shape`` when it has one), or its Lipschitz constant ``L`` as a number."""
         if not (input_bound > 0 and math.isfinite(input_bound)):
             raise BoundError(
                 f"input bound must be a positive finite number, got {input_bound}; "
                 "add an InputNormClip layer or pass input_bound"
             )
-        if not (loss_lipschitz > 0 and math.isfinite(loss_lipschitz)):
-            raise BoundError(f"loss Lipschitz constant must be positive and finite, got {loss_lipschitz}")
+        self.loss = loss if hasattr(loss, "lipschitz") else None
+        self._fixed_lipschitz = None if self.loss is not None else float(loss)
+        self.loss_lipschitz  # validates
         self.model = model
         self.input_shape = tuple(int(s) for s in input_shape)
         self.input_bound = float(input_bound)
-        self.loss_lipschitz = float(loss_lipschitz)
         self._names = {id(m): n for n, m in model.named_modules()}
         self._leaves: List[nn.Module] = []
         self._collect_leaves(model)
         self._check_parameters_covered()
-        self._in_shapes = self._probe_shapes()
+        self._check_known_forwards()
+        self._in_shapes, self.output_shape = self._probe_shapes()
+        check = getattr(self.loss, "check_output_shape", None)
+        if check is not None:
+            check(self.output_shape)
+
+    @property
+    def loss_lipschitz(self) -> float:
+        """``L``, read from the loss at every use (a changed constant is never left behind)."""
+        value = self.loss.lipschitz if self.loss is not None else self._fixed_lipschitz
+        if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise BoundError(f"loss Lipschitz constant must be positive and finite, got {value}")
+        return float(value)
 
     # -- validation -------------------------------------------------------
     def _collect_leaves(self, module: nn.Module) -> None:
         residual = _residual_type()
-        if isinstance(module, nn.Sequential):
-            for child in module:
-                self._collect_leaves(child)
-            return
-        if isinstance(module, residual):
-            self._collect_leaves(module.branch)  # type: ignore[attr-defined]
-            self._add_leaf(module)
-            return
-        if isinstance(module, BoundedModule) or isinstance(module, _PARAMETER_FREE_1LIP):
-            self._add_leaf(module)
-            return
         name = self._names.get(id(module), "?") or "<model>"
+        if isinstance(module, (nn.Sequential, residual)):
+            base = nn.Sequential if isinstance(module, nn.Sequential) else residual
+            if type(module).forward is not base.forward:
+                raise BoundError(f"'{name}' ({type(module).__name__}) overrides the forward of {base.__name__}: the "
+                                 "bound engine only knows the forward it analyses; use a plain container")
+            if isinstance(module, nn.Sequential):
+                for child in module:
+                    self._collect_leaves(child)
+            else:
+                self._collect_leaves(module.branch)  # type: ignore[attr-defined]
+                self._add_leaf(module)
+            return
+        if isinstance(module, BoundedModule):
+            _check_forward_matches_bounds(type(module), name)
+            self._add_leaf(module)
+            return
+        if type(module) in _PARAMETER_FREE_1LIP:
+            self._add_leaf(module)
+            return
         raise BoundError(
             f"layer '{name}' ({type(module).__name__}) declares no Lipschitz/gradient bounds; "
             "use the clipless layers (LipschitzLinear, LipschitzConv2d, MaxMin, ...) or subclass "
@@ -233,6 +282,21 @@ class BoundEngine:
                 "are not supported by the bound engine"
             )
         self._leaves.append(module)
+
+    def _check_known_forwards(self) -> None:
+        """Hooks can change what a module computes or back-propagates: refuse every hook but the input guard."""
+        from torch.nn.modules import module as _module
+
+        if _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks:
+            raise BoundError("global module hooks are registered: they could change the outputs the bounds describe")
+        for module in self.model.modules():
+            hooks = list(module._forward_hooks.values()) + list(module._backward_hooks.values())
+            hooks += list(getattr(module, "_backward_pre_hooks", {}).values())
+            hooks += [h for h in module._forward_pre_hooks.values() if not getattr(h, "is_input_guard", False)]
+            if hooks:
+                name = self._names.get(id(module), "?") or "<model>"
+                raise BoundError(f"module '{name}' has hooks ({len(hooks)}) that may change its outputs or gradients; "
+                                 "remove them before making the model private")
 
     def _check_parameters_covered(self) -> None:
         residual = _residual_type()
@@ -248,7 +312,7 @@ class BoundEngine:
             if param.requires_grad and id(param) not in covered:
                 raise BoundError(f"trainable parameter '{name}' is not covered by any declared bound")
 
-    def _probe_shapes(self) -> Dict[int, Tuple[int, ...]]:
+    def _probe_shapes(self) -> Tuple[Dict[int, Tuple[int, ...]], Tuple[int, ...]]:
         shapes: Dict[int, Tuple[int, ...]] = {}
         hooks = []
         for leaf in self._leaves:
@@ -262,13 +326,13 @@ class BoundEngine:
             device = param.device if param is not None else torch.device("cpu")
             dtype = param.dtype if param is not None else torch.float32
             with torch.no_grad():
-                self.model(torch.zeros((1,) + self.input_shape, device=device, dtype=dtype))
+                out = self.model(torch.zeros((1,) + self.input_shape, device=device, dtype=dtype))
         except RuntimeError as exc:
             raise BoundError(f"model does not accept inputs of shape {self.input_shape}: {exc}") from exc
         finally:
             for h in hooks:
                 h.remove()
-        return shapes
+        return shapes, tuple(out.shape[1:])
 
     # -- the engine -------------------------------------------------------
     def _leaf_bound(self, module: nn.Module, x_bound: float) -> LayerBound:
@@ -334,6 +398,7 @@ class BoundEngine:
 
     def compute(self) -> BoundReport:
         """Certified per-layer per-example gradient bounds for the current weights."""
+        self._check_known_forwards()  # hooks added after construction would change the analysed function
         self._cache: Dict[Tuple[int, float], LayerBound] = {}
         layers: List[LayerSensitivity] = []
         output_bound = self._out_bound(self.model, self.input_bound)

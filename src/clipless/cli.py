@@ -37,10 +37,19 @@ DEFAULTS: Dict[str, Any] = {
     "optimizer": "adam",
     "lr": 0.01,
     "seed": 0,
+    "noise_seed": None,
+    "log_train_stats": False,
     "output_dir": "runs/latest",
     "resume": False,
     "progress": True,
 }
+
+SEED_HELP = ("public seed of the initialization and the train/test split (-1: random); never used for the "
+             "noise or the batches")
+NOISE_SEED_HELP = ("fix the noise and Poisson-sampling generators (experiments only: the run is then NOT private "
+                   "against anyone who knows the seed); default: OS entropy")
+TRAIN_STATS_HELP = ("also log the loss/accuracy of the training batches, computed WITHOUT noise (outside the "
+                    "guarantee; labelled nonprivate_* wherever they appear)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,7 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--accountant", choices=["pld", "rdp"])
     train.add_argument("--optimizer", choices=["adam", "sgd"])
     train.add_argument("--lr", type=float)
-    train.add_argument("--seed", type=int, help="seed for init, sampling and noise (-1: fresh entropy)")
+    train.add_argument("--seed", type=int, help=SEED_HELP)
+    train.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP)
+    train.add_argument("--log-train-stats", action="store_true", default=None, help=TRAIN_STATS_HELP)
     train.add_argument("--output-dir", help="where result.json and checkpoint.pt go")
     train.add_argument("--resume", action="store_true", default=None, help="resume from output-dir/checkpoint.pt")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
@@ -109,7 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--crop-padding", type=int, help="random-crop shift in pixels (default 2 for mnist, 1 for digits)")
     pre.add_argument("--no-flip", dest="flip", action="store_false", help="no random horizontal flips")
     pre.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
-    pre.add_argument("--seed", type=int, default=0, help="seed for init, sampling, augmentation and noise (-1: fresh)")
+    pre.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    pre.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP + " (augmentations of the pairs too)")
+    pre.add_argument("--log-train-stats", action="store_true", help=TRAIN_STATS_HELP.replace(
+        "loss/accuracy of the training batches", "fraction of clipped pair gradients"))
     pre.add_argument("--output-dir", default="runs/pretrain")
     pre.add_argument("--resume", action="store_true", help="resume from output-dir/checkpoint.pt")
     pre.add_argument("--no-progress", dest="progress", action="store_false")
@@ -220,10 +234,11 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         input_bound=input_bound,
         strategy=config["strategy"],
         accountant=config["accountant"],
-        seed=seed,
+        noise_seed=config["noise_seed"],
         test_data=data.test,
         progress=bool(config["progress"]),
         checkpoint_path=out_dir / "checkpoint.pt",
+        log_train_stats=bool(config["log_train_stats"]),
     )
     if config["resume"]:
         ckpt = out_dir / "checkpoint.pt"
@@ -259,7 +274,8 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
     if config["method"] == "dpsgd":
         outcome = train_dpsgd(model, data.train, delta=config["delta"], max_grad_norm=config["max_grad_norm"],
                               target_epsilon=None if config["noise_multiplier"] else config["epsilon"],
-                              noise_multiplier=config["noise_multiplier"], accountant=config["accountant"], **common)
+                              noise_multiplier=config["noise_multiplier"], accountant=config["accountant"],
+                              noise_seed=config["noise_seed"], **common)
     else:
         outcome = train_nonprivate(model, data.train, **common)
     result = outcome.to_dict()
@@ -270,11 +286,12 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
 def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     """``clipless pretrain``: pairs from random crops and flips of the training images."""
     from .baselines import standard_cnn, standard_mlp
+    from torch.utils.data import Subset
+
     from .data import load_dataset
     from .models import build_optimizer
     from .pairs import AugmentedPairs
     from .pretrain import ContrastivePretrainer, knn_accuracy, linear_probe_accuracy
-    from .trainer import _generator
 
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
     if seed is not None:
@@ -288,18 +305,18 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     else:
         encoder = standard_mlp(shape, args.embedding_dim, hidden=args.hidden)
     padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
-    augment = _generator(None if seed is None else seed + 3)  # fresh OS entropy without a seed
-    pairs = AugmentedPairs(data.train.features, padding=padding, flip=args.flip, generator=augment)
-    eval_pairs = AugmentedPairs(data.test.features, padding=padding, flip=args.flip,
-                                generator=torch.Generator().manual_seed(12345))
+    # Augmentations of the private pairs: secret (OS entropy) unless --noise-seed; the test pairs are public.
+    pairs = AugmentedPairs(data.train.features, padding=padding, flip=args.flip, seed=args.noise_seed)
+    eval_pairs = AugmentedPairs(data.test.features, padding=padding, flip=args.flip, seed=12345)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer = ContrastivePretrainer(
         encoder, build_optimizer(encoder.parameters(), args.optimizer, args.lr), pairs, method=args.method, loss=args.loss,
         tau=args.tau, clip_norm=args.clip_norm, batch_size=args.batch_size, epochs=args.epochs,
         delta=args.delta, target_epsilon=None if args.noise_multiplier else args.epsilon,
-        noise_multiplier=args.noise_multiplier, accountant=args.accountant, seed=seed, eval_pairs=eval_pairs,
-        progress=args.progress, checkpoint_path=out_dir / "checkpoint.pt",
+        noise_multiplier=args.noise_multiplier, accountant=args.accountant, noise_seed=args.noise_seed,
+        eval_pairs=eval_pairs, progress=args.progress, checkpoint_path=out_dir / "checkpoint.pt",
+        log_train_stats=args.log_train_stats,
     )
     if args.resume:
         ckpt = out_dir / "checkpoint.pt"
@@ -307,13 +324,23 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
             raise SystemExit(f"--resume: no checkpoint at {ckpt}")
         trainer.load_checkpoint(ckpt)
     result = trainer.fit().to_dict()
+    # Evaluated on the public test split only: its even records are the kNN reference set and the probe's
+    # training set, its odd records the queries (the pre-training records never enter a released number).
+    reference, queries = Subset(data.test, range(0, len(data.test), 2)), Subset(data.test, range(1, len(data.test), 2))
     result.update({
         "dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
-        "knn3_accuracy": knn_accuracy(encoder, data.train, data.test, k=3),
-        "linear_probe_accuracy": linear_probe_accuracy(encoder, data.train, data.test),
+        "knn3_accuracy": knn_accuracy(encoder, reference, queries, k=3),
+        "linear_probe_accuracy": linear_probe_accuracy(encoder, reference, queries),
+        "evaluation": "test split halves (even records: reference / probe training; odd records: queries)",
     })
     torch.save(encoder.state_dict(), out_dir / "encoder.pt")
     return _write_result(out_dir, result)
+
+
+def _privacy_status(result: Dict[str, Any]) -> str:
+    if result.get("private"):
+        return "private (noise and batches from OS entropy)"
+    return f"NOT PRIVATE: {result.get('privacy_note', 'no guarantee')}"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -329,8 +356,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         print(
             f"{result['dataset']} [{config['method']}]: test accuracy {acc:.4f}, {privacy}, "
-            f"{result['steps']} steps, {result['wall_time_s']:.1f}s; seed "
-            f"{'fixed' if result['seed'] is not None else 'fresh entropy'}; "
+            f"{result['steps']} steps, {result['wall_time_s']:.1f}s; {_privacy_status(result)}; "
             f"result in {Path(config['output_dir']) / 'result.json'}"
         )
     elif args.command == "pretrain":
@@ -342,7 +368,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{result['dataset']} [{result['method']} {result['loss']}]: kNN(3) accuracy "
               f"{result['knn3_accuracy']:.4f}, linear probe {result['linear_probe_accuracy']:.4f}, held-out loss "
               f"{losses[0]:.4f} -> {losses[-1]:.4f}, {privacy}, {result['steps']} steps, "
-              f"{result['wall_time_s']:.1f}s; result in {Path(args.output_dir) / 'result.json'}")
+              f"{result['wall_time_s']:.1f}s; {_privacy_status(result)}; "
+              f"result in {Path(args.output_dir) / 'result.json'}")
     elif args.command == "kl-study":
         from .kl_study import KLStudyConfig, format_summary, main_kl_study
 

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .accounting import PrivacyAccountant, calibrate_noise_multiplier, check_delta
+from .accounting import PrivacyAccountant, check_delta
 from .bounds import BoundEngine, BoundError
-from .layers import InputNormClip
+from .calibration import plan_noise, planned_steps
+from .layers import InputNormClip, adaptive_clips
 from .losses import LipschitzLoss
 from .optimizer import DPOptimizer, InputGuard
-from .sampling import poisson_data_loader
+from .sampling import poisson_data_loader, poisson_threshold
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf"]
 
@@ -58,7 +58,11 @@ def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -
 
 
 class PrivacyEngine:
-    """Holds the accountant; turns (model, optimizer, data) into a clipless private training setup."""
+    """Holds the accountant; turns (model, optimizer, data) into a clipless private training setup.
+
+    Noise and Poisson batches are drawn from OS entropy unless generators are passed (a fixed-seed
+    generator makes the run non-private against anyone who knows the seed).
+    """
 
     def __init__(self, accountant: str = "pld") -> None:
         self.accountant = PrivacyAccountant(accountant)
@@ -70,12 +74,15 @@ class PrivacyEngine:
         optimizer: torch.optim.Optimizer,
         data: Union[Dataset, DataLoader],
         loss: LipschitzLoss,
-        noise_multiplier: float,
+        noise_multiplier: Optional[float] = None,
         input_shape: Sequence[int],
         batch_size: Optional[float] = None,
         input_bound: Optional[float] = None,
         strategy: str = "global",
-        layer_noise_multipliers: Optional[Mapping[str, float]] = None,
+        layer_noise_multipliers: Union[Mapping[str, float], str, None] = None,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        epochs: Optional[int] = None,
         noise_generator: Optional[torch.Generator] = None,
         sampling_generator: Optional[torch.Generator] = None,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
@@ -84,6 +91,11 @@ class PrivacyEngine:
         ``batch_size`` is the *expected* Poisson batch size ``b = qN``.  In the
         loop, backpropagate ``loss.per_example(module(x), y).sum()`` and call
         ``dp_optimizer.step()`` once per batch, empty batches included.
+        ``noise_multiplier`` is the gradient's effective multiplier and
+        ``layer_noise_multipliers`` relative per-layer weights (or ``"energy"``),
+        as everywhere (:mod:`clipless.calibration`).  With ``target_epsilon``
+        (and ``target_delta``) the optimizer refuses any step past the budget; without
+        ``noise_multiplier`` sigma is calibrated so ``epochs`` epochs fit it.
         """
         if not isinstance(loss, LipschitzLoss):
             raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
@@ -91,22 +103,32 @@ class PrivacyEngine:
         n = len(dataset)  # type: ignore[arg-type]
         if not (0 < b <= n):
             raise ValueError(f"expected batch size {b} must be in (0, N={n}]")
+        if target_delta is not None:
+            check_delta(target_delta, n)
+        if target_epsilon is not None and target_delta is None:
+            raise ValueError("target_epsilon needs target_delta")
         sample_rate = b / n
+        poisson_threshold(sample_rate)  # refuses a rate the sampler cannot realise, before anything runs
         x0, data_bound = resolve_input_bound(module, input_bound)
-        engine = BoundEngine(module, input_shape, x0, loss.lipschitz)
-        dp_optimizer = DPOptimizer(
-            optimizer,
-            engine,
-            noise_multiplier,
-            expected_batch_size=b,
+        engine = BoundEngine(module, input_shape, x0, loss)
+        steps_per_epoch = max(1, round(1.0 / sample_rate))
+        plan = plan_noise(
+            engine.compute(),
             sample_rate=sample_rate,
-            accountant=self.accountant,
+            accountant=self.accountant.mechanism,
             strategy=strategy,
-            layer_noise=layer_noise_multipliers,
-            generator=noise_generator,
+            layer_noise_multipliers=layer_noise_multipliers,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            delta=target_delta,
+            steps=None if epochs is None else planned_steps(epochs, steps_per_epoch),
+            mechanism_sigmas=[clip.count_noise_multiplier for clip in adaptive_clips(module)],
         )
+        dp_optimizer = DPOptimizer(optimizer, engine, plan, expected_batch_size=b, accountant=self.accountant,
+                                   generator=noise_generator)
         self.guard = InputGuard(module, input_shape, data_bound)
-        loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator)
+        loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
+                                     steps_per_epoch=steps_per_epoch)
         return module, dp_optimizer, loader
 
     def make_private_with_epsilon(
@@ -115,35 +137,13 @@ class PrivacyEngine:
         target_epsilon: float,
         target_delta: float,
         epochs: int,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        data: Union[Dataset, DataLoader],
-        loss: LipschitzLoss,
-        input_shape: Sequence[int],
-        batch_size: Optional[float] = None,
         **kwargs,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
-        """As :meth:`make_private`, with ``sigma`` calibrated so ``epochs`` epochs stay within ``target_epsilon``."""
-        dataset, b = _dataset_of(data, batch_size)
-        n = len(dataset)  # type: ignore[arg-type]
-        check_delta(target_delta, n)
-        sample_rate = b / n
-        steps = epochs * max(1, round(1.0 / sample_rate))
-        sigma = calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, self.accountant.mechanism)
-        if kwargs.get("strategy", "global") == "per_layer" and not kwargs.get("layer_noise_multipliers"):
-            # D equal multipliers compose to sigma / sqrt(D) (SPEC §3.4).
-            probe = BoundEngine(module, input_shape, resolve_input_bound(module, kwargs.get("input_bound"))[0], 1.0)
-            sigma *= math.sqrt(len(probe.compute().layers))
-        return self.make_private(
-            module=module,
-            optimizer=optimizer,
-            data=dataset,
-            loss=loss,
-            noise_multiplier=sigma,
-            input_shape=input_shape,
-            batch_size=b,
-            **kwargs,
-        )
+        """As :meth:`make_private`, with ``sigma`` calibrated so ``epochs`` epochs stay within ``target_epsilon``
+        (every per-step mechanism and the per-layer allocation included); the optimizer stops at the budget."""
+        if kwargs.get("noise_multiplier") is not None:
+            raise ValueError("make_private_with_epsilon calibrates noise_multiplier; use make_private to fix it")
+        return self.make_private(target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, **kwargs)
 
     def get_epsilon(self, delta: float) -> float:
         return self.accountant.get_epsilon(delta)

@@ -20,6 +20,7 @@ from .bounds import (
     _CERT_MARGIN,
     BoundedModule,
     BoundError,
+    DeclaredConstants,
     CertifiedValueCache,
     LayerBound,
     certified_norm,
@@ -110,6 +111,8 @@ def _check_projection(projection: str) -> str:
 class InputNormClip(BoundedModule):
     """``x -> x * min(1, C/||x||)`` per example: projection on the ball, ``l = 1``, ``X -> min(X, C)``."""
 
+    constants = ("max_norm",)
+
     def __init__(self, max_norm: float) -> None:
         super().__init__()
         self.max_norm = _positive_finite(max_norm, "max_norm")
@@ -138,6 +141,8 @@ class LipschitzLinear(BoundedModule):
     ``projection='bjorck'`` keeps ``W`` orthonormal (gradient-norm preserving);
     ``'spectral'`` only rescales when ``||W||_2 > 1``.
     """
+
+    constants = ("in_features", "out_features", "projection", "bias_bound")
 
     def __init__(
         self,
@@ -208,6 +213,9 @@ class LipschitzConv2d(BoundedModule):
     is valid for every stride/padding but loose; projections keep
     ``sqrt(s) ||W_mat||_2 <= 1``.
     """
+
+    constants = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "padding_mode", "operator_norm",
+                 "projection", "bias_bound", "overlap")
 
     def __init__(
         self,
@@ -384,8 +392,19 @@ def _max_repeats(n: int, n_out: int, stride: int) -> int:
     return max(counts.values(), default=1)
 
 
+def _check_per_example_dims(dims: Sequence[int], ndim: int, layer: str) -> None:
+    """Refuse axes outside the tensor or resolving to the batch axis 0 (negative ones included)."""
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise ValueError(f"{layer}: axis {d} does not exist for {ndim}-d inputs")
+        if d % ndim == 0:
+            raise ValueError(f"{layer}: axis {d} is the batch axis of {ndim}-d inputs; acting on it couples examples")
+
+
 class GroupSort(BoundedModule):
     """Sort features in groups of ``group_size`` along ``dim`` (a permutation per input: ``l = 1``, ``X -> X``)."""
+
+    constants = ("group_size", "dim")
 
     def __init__(self, group_size: int = 2, dim: int = 1) -> None:
         super().__init__()
@@ -396,6 +415,7 @@ class GroupSort(BoundedModule):
         self.group_size, self.dim = group_size, dim
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        _check_per_example_dims((self.dim,), x.dim(), type(self).__name__)
         dim = self.dim % x.dim()
         n = x.shape[dim]
         if n % self.group_size:
@@ -419,6 +439,8 @@ class MaxMin(GroupSort):
     def __init__(self, dim: int = 1) -> None:
         super().__init__(2, dim)
 
+    layer_bound = GroupSort.layer_bound  # the same map as GroupSort(2), computed faster
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = self.dim % x.dim()
         g = self._grouped(x)
@@ -432,6 +454,8 @@ class L2NormPool2d(BoundedModule):
     Computed as ``sqrt(||w||^2 + eps) - sqrt(eps) <= ||w||`` so that it stays
     differentiable at 0 without raising the output bound.
     """
+
+    constants = ("kernel_size", "eps")
 
     def __init__(self, kernel_size: int, eps: float = 1e-10) -> None:
         super().__init__()
@@ -452,6 +476,8 @@ class L2NormPool2d(BoundedModule):
 class ScaledAvgPool2d(BoundedModule):
     """``k * avg_pool(k, stride=k)``: ``|sum w| / k <= ||w||`` per window, so ``l = 1``, ``X -> X``."""
 
+    constants = ("kernel_size",)
+
     def __init__(self, kernel_size: int) -> None:
         super().__init__()
         self.kernel_size = int(kernel_size)
@@ -466,6 +492,8 @@ class ScaledAvgPool2d(BoundedModule):
 
 class Permute(BoundedModule):
     """Reorder the per-example axes (``dims`` excludes the batch axis, numbered from 1): ``l = 1``, ``X -> X``."""
+
+    constants = ("dims",)
 
     def __init__(self, *dims: int) -> None:
         super().__init__()
@@ -492,30 +520,38 @@ class LayerCentering(BoundedModule):
     axis would couple examples (SPEC §6), hence ``dims`` may not contain 0.
     """
 
+    constants = ("dims",)
+
     def __init__(self, dims: Union[int, Sequence[int], None] = None) -> None:
         super().__init__()
         if dims is not None:
             dims = (dims,) if isinstance(dims, int) else tuple(dims)
+            if not dims:
+                raise ValueError("LayerCentering(dims=()) would average over every axis, the batch axis included; "
+                                 "name the per-example axes (or leave dims=None for all of them)")
+            if any(isinstance(d, bool) or not isinstance(d, int) for d in dims) or len(set(dims)) != len(dims):
+                raise ValueError(f"LayerCentering dims must be distinct integers, got {dims}")
             if any(d == 0 for d in dims):
                 raise ValueError("centering over the batch axis (dim 0) couples examples")
         self.dims = dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = self.dims if self.dims is not None else tuple(range(1, x.dim()))
-        if any(d % x.dim() == 0 for d in dims):
-            raise ValueError("centering over the batch axis (dim 0) couples examples")
+        _check_per_example_dims(dims, x.dim(), "LayerCentering")
         return x - x.mean(dim=dims, keepdim=True)
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
         return LayerBound(lipschitz=1.0, out_bound=x_bound)
 
 
-class Residual(nn.Module):
+class Residual(DeclaredConstants, nn.Module):
     """``y = a x + b h(x)`` (default ``(x + h(x))/2``); the bound engine treats it as split + merge.
 
     ``l <= a + b l_h``, ``X -> a X + b out_h(X)``, and parameters inside ``h``
     see the gradient bound ``b G``.
     """
+
+    constants = ("skip_weight", "branch_weight")
 
     def __init__(self, branch: nn.Module, skip_weight: float = 0.5, branch_weight: float = 0.5) -> None:
         super().__init__()
@@ -549,6 +585,8 @@ class LossGradientClip(BoundedModule):
     Placed after the logits it turns the loss bound ``L`` into ``min(L, C)``.
     """
 
+    constants = ("max_norm",)
+
     def __init__(self, max_norm: float) -> None:
         super().__init__()
         self.max_norm = _positive_finite(max_norm, "max_norm")
@@ -577,6 +615,8 @@ class AdaptiveLossGradientClip(BoundedModule):
     ``sigma_eff = (sigma^-2 + count_noise_multiplier^-2)^(-1/2)`` at every step
     (SPEC §3.3-3.4).  ``C`` is a buffer, so checkpoints keep it.
     """
+
+    constants = ("count_noise_multiplier", "target_quantile", "learning_rate")
 
     def __init__(
         self,

@@ -142,22 +142,51 @@ def naive_dp_sensitivity(clip_norm: float) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 
+# Parameter-free modules whose forward is known and acts on each example alone: the only company
+# ``nn.Linear`` layers may keep on the outer-product path.
+_KNOWN_ACTIVATIONS = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus,
+                      nn.Identity, nn.Flatten)
+
+
+def _outer_product_path_applies(encoder: nn.Module) -> bool:
+    """Every module is a plain ``nn.Sequential``, an ``nn.Linear`` or a known activation, without hooks, and
+    no parameter is shared: then the parameters' gradients are exactly the per-layer outer products."""
+    from torch.nn.modules import module as _module
+
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks:
+        return False
+    seen = set()
+    for m in encoder.modules():
+        if type(m) not in (nn.Sequential, nn.Linear) + _KNOWN_ACTIVATIONS:
+            return False
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+            return False
+    for _, p in encoder.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # tied weights: the gradient is the sum of both uses, not two separate blocks
+            return False
+        seen.add(id(p))
+    return True
+
+
 def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch.Tensor, List[Tuple]]]:
     """Normalized embeddings and, per ``nn.Linear``, ``(delta (n, d, out), inputs (n, in), has_bias)``.
 
     ``delta[i, a] = d u_i[a] / d z_i`` for the layer's output ``z``; the Jacobian of ``u_i[a]`` w.r.t.
     the weight is the outer product ``delta[i, a] h_i^T`` (and ``delta[i, a]`` for the bias).  Returns
-    ``None`` if the encoder has parameters outside ``nn.Linear`` layers fed with ``(n, in)`` inputs, or
-    uses a layer twice: the factorization would not hold there.
+    ``None`` unless :func:`_outer_product_path_applies` and every layer runs once on ``(n, in)`` inputs:
+    the factorization would not hold otherwise.  The recorded output is not the tensor handed on (a
+    clone is), so in-place activations cannot overwrite it and skip their own derivative.
     """
+    if not _outer_product_path_applies(encoder):
+        return None
     linears = [m for m in encoder.modules() if isinstance(m, nn.Linear)]
-    covered = {id(p) for m in linears for p in m.parameters()}
-    if not linears or any(id(p) not in covered for p in encoder.parameters() if p.requires_grad):
+    if not linears:
         return None
     records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {id(m): [] for m in linears}
 
-    def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        records[id(module)].append((args[0].detach(), out))
+    def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        records[id(module)].append((args[0].detach().clone(), out))
+        return out.clone()
 
     handles = [m.register_forward_hook(hook) for m in linears]
     try:
@@ -237,10 +266,19 @@ def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int) -> torch.Tensor:
         e = functional_call(encoder, ({**p}, buffers), (xi.unsqueeze(0),)).squeeze(0)
         return F.normalize(e, dim=0)
 
-    parts = []
+    parts, alone = [], []
     for start in range(0, x.shape[0], chunk):
         jac = vmap(jacrev(f), in_dims=(None, 0))(params, x[start : start + chunk])
         parts.append(torch.cat([jac[k].flatten(2) for k in names], dim=2).double())
+        with torch.no_grad():
+            alone.append(vmap(f, in_dims=(None, 0))(params, x[start : start + chunk]))
+    # The norms are those of each example alone; the released gradient comes from the batch forward.
+    # They describe the same function only if no example's embedding depends on the others.
+    with torch.no_grad():
+        together = normalized_embedding(encoder, x)
+    if x.shape[0] and not torch.allclose(torch.cat(alone), together, rtol=1e-4, atol=1e-5):
+        raise ValueError("the encoder's output for one example depends on the other examples of the batch "
+                         "(batch statistics or another coupling module): Logit-DP's per-pair analysis does not apply")
     return torch.cat(parts)
 
 
@@ -269,7 +307,8 @@ def _check_per_example(encoder: nn.Module) -> None:
     """Refuse layers that break the per-pair analysis: batch statistics couple the examples of a batch, and
     random dropout masks would differ between the pass that measures the norms and the one that uses them."""
     for name, m in encoder.named_modules():
-        if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats is not None:
+        # Batch statistics are used in training mode and, without running statistics, in eval mode too.
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None):
             raise ValueError(f"layer {name or 'encoder'} ({type(m).__name__}) couples examples through batch "
                              "statistics; use a per-example normalization (LayerNorm, GroupNorm)")
         if m.training and isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import math
 
+from typing import Tuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .bounds import BoundError, DeclaredConstants
 
 __all__ = [
     "LipschitzLoss",
@@ -26,10 +30,15 @@ __all__ = [
 ]
 
 
-class LipschitzLoss(nn.Module):
-    """A per-example loss ``l(z, y)`` with ``||grad_z l|| <= lipschitz`` for all ``z, y``."""
+class LipschitzLoss(DeclaredConstants, nn.Module):
+    """A per-example loss ``l(z, y)`` with ``||grad_z l|| <= lipschitz`` for all ``z, y``.
+
+    ``lipschitz`` and the parameters it depends on are declared constants (set once, then read-only).
+    :meth:`check_output_shape` refuses model outputs for which the constant does not hold.
+    """
 
     lipschitz: float
+    constants: Tuple[str, ...] = ("lipschitz", "reduction")
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__()
@@ -39,6 +48,12 @@ class LipschitzLoss(nn.Module):
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def check_output_shape(self, shape: Tuple[int, ...]) -> None:
+        """Refuse a per-example model output shape the loss (and its ``L``) is not defined for."""
+        if len(shape) != 1 or shape[0] < 2:
+            raise BoundError(f"{type(self).__name__} needs logits of shape (batch, classes >= 2); the model "
+                             f"outputs per-example shape {tuple(shape)}")
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         values = self.per_example(logits, target)
@@ -57,7 +72,9 @@ def _check_multiclass(logits: torch.Tensor, target: torch.Tensor) -> None:
 
 
 class TauCrossEntropy(LipschitzLoss):
-    """``CE(softmax(tau z), y) / tau``; gradient ``softmax(tau z) - e_y`` has norm ``< sqrt(2)``."""
+    """``CE(softmax(tau z), y) / tau``; gradient ``softmax(tau z) - e_y`` has norm ``< sqrt(2)`` (any width)."""
+
+    constants = LipschitzLoss.constants + ("tau",)
 
     def __init__(self, tau: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
@@ -77,6 +94,8 @@ class TauCrossEntropy(LipschitzLoss):
 class CrossEntropyWithTemperature(LipschitzLoss):
     """``CE(softmax(z / T), y)``; gradient ``(softmax(z/T) - e_y)/T``, ``L = sqrt(2)/T``."""
 
+    constants = LipschitzLoss.constants + ("temperature",)
+
     def __init__(self, temperature: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
         if temperature <= 0:
@@ -95,6 +114,13 @@ class BinaryCrossEntropyWithTemperature(LipschitzLoss):
     Logits of shape ``(batch,)`` or ``(batch, 1)``; labels in ``{0, 1}`` or ``{-1, 1}``.
     """
 
+    constants = LipschitzLoss.constants + ("temperature",)
+
+    def check_output_shape(self, shape: Tuple[int, ...]) -> None:
+        if tuple(shape) not in ((), (1,)):
+            raise BoundError(f"BinaryCrossEntropyWithTemperature needs one logit per example; the model outputs "
+                             f"per-example shape {tuple(shape)}")
+
     def __init__(self, temperature: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
         if temperature <= 0:
@@ -111,16 +137,36 @@ class BinaryCrossEntropyWithTemperature(LipschitzLoss):
         return F.softplus(-sign * logits / self.temperature)
 
 
+class _FixedWidthLoss(LipschitzLoss):
+    """A loss whose constant depends on the number of classes ``K``: refuses logits of another width."""
+
+    num_classes: int
+
+    def check_output_shape(self, shape: Tuple[int, ...]) -> None:
+        if tuple(shape) != (self.num_classes,):
+            raise BoundError(f"{type(self).__name__} was declared for {self.num_classes} classes (L = "
+                             f"{self.lipschitz:.4g} holds for that width only); the model outputs per-example shape "
+                             f"{tuple(shape)}: build the loss with num_classes={shape[0] if len(shape) == 1 else '?'}")
+
+    def _check_width(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        _check_multiclass(logits, target)
+        if logits.shape[1] != self.num_classes:
+            raise BoundError(f"{type(self).__name__} was declared for {self.num_classes} classes, got logits of "
+                             f"width {logits.shape[1]}")
+
+
 def _one_vs_all_signs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return 2.0 * F.one_hot(target, logits.shape[1]).to(logits.dtype) - 1.0
 
 
-class MulticlassHinge(LipschitzLoss):
+class MulticlassHinge(_FixedWidthLoss):
     """One-vs-all hinge (deel-lip weighting): ``[(K-1) h_y + sum_{j!=y} h_j] / (K-1)``, ``h_j = relu(m/2 - s_j z_j)``.
 
     Gradient: ``-1`` on the true class, ``1/(K-1)`` on each active other class,
     so ``L = sqrt(1 + 1/(K-1)) = sqrt(K/(K-1))``.
     """
+
+    constants = LipschitzLoss.constants + ("num_classes", "margin")
 
     def __init__(self, num_classes: int, margin: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
@@ -130,7 +176,7 @@ class MulticlassHinge(LipschitzLoss):
         self.lipschitz = math.sqrt(num_classes / (num_classes - 1.0))
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        _check_multiclass(logits, target)
+        self._check_width(logits, target)
         signs = _one_vs_all_signs(logits, target)
         hinge = F.relu(self.margin / 2 - signs * logits)
         k1 = self.num_classes - 1.0
@@ -138,12 +184,14 @@ class MulticlassHinge(LipschitzLoss):
         return (hinge * weights).sum(dim=1) / k1
 
 
-class MulticlassKR(LipschitzLoss):
+class MulticlassKR(_FixedWidthLoss):
     """Per-example one-vs-all Kantorovich–Rubinstein loss ``-(z_y - mean_{j!=y} z_j)``.
 
     Per-example (SPEC §6: batch class-count normalisation breaks the bound);
     gradient ``(-1, 1/(K-1), ...)``, ``L = sqrt(K/(K-1))``.
     """
+
+    constants = LipschitzLoss.constants + ("num_classes",)
 
     def __init__(self, num_classes: int, reduction: str = "mean") -> None:
         super().__init__(reduction)
@@ -153,15 +201,17 @@ class MulticlassKR(LipschitzLoss):
         self.lipschitz = math.sqrt(num_classes / (num_classes - 1.0))
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        _check_multiclass(logits, target)
+        self._check_width(logits, target)
         signs = _one_vs_all_signs(logits, target)
         one = torch.ones((), dtype=logits.dtype, device=logits.device)
         weights = torch.where(signs > 0, one, one / (self.num_classes - 1.0))
         return -(signs * weights * logits).sum(dim=1)
 
 
-class MulticlassHKR(LipschitzLoss):
+class MulticlassHKR(_FixedWidthLoss):
     """``alpha * hinge + KR`` per example; both gradients share a sign pattern, so ``L = (1 + alpha) sqrt(K/(K-1))``."""
+
+    constants = LipschitzLoss.constants + ("num_classes", "alpha")
 
     def __init__(self, num_classes: int, alpha: float = 10.0, margin: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
@@ -170,14 +220,18 @@ class MulticlassHKR(LipschitzLoss):
         self.alpha = float(alpha)
         self.hinge = MulticlassHinge(num_classes, margin, reduction="none")
         self.kr = MulticlassKR(num_classes, reduction="none")
+        self.num_classes = int(num_classes)
         self.lipschitz = (1.0 + self.alpha) * math.sqrt(num_classes / (num_classes - 1.0))
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self._check_width(logits, target)
         return self.alpha * self.hinge.per_example(logits, target) + self.kr.per_example(logits, target)
 
 
 class KCosineSimilarity(LipschitzLoss):
     """``-z_y / max(K X_min, ||z||)``; ``L = 1 / (K X_min)``."""
+
+    constants = LipschitzLoss.constants + ("floor",)
 
     def __init__(self, k_coef: float = 1.0, x_min: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)

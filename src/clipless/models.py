@@ -45,11 +45,11 @@ __all__ = [
 ]
 
 
-def _activation(name: str) -> nn.Module:
+def _activation(name: str, dim: int = 1) -> nn.Module:
     if name == "maxmin":
-        return MaxMin()
+        return MaxMin(dim)
     if name.startswith("groupsort"):
-        return GroupSort(int(name[len("groupsort") :] or 2))
+        return GroupSort(int(name[len("groupsort") :] or 2), dim)
     raise ValueError(f"unknown activation {name!r} (maxmin, groupsort4, ...)")
 
 
@@ -242,9 +242,7 @@ def lipschitz_mixer(
 
 def _activation_last(name: str) -> nn.Module:
     """The activation grouping features along the last axis (dense maps on ``(tokens, channels)`` arrays)."""
-    act = _activation(name)
-    act.dim = -1  # type: ignore[assignment]
-    return act
+    return _activation(name, dim=-1)
 
 
 MODELS: Dict[str, Callable[..., nn.Module]] = {

@@ -8,38 +8,20 @@ then every gradient is divided by the *expected* batch size ``b = qN``.
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Sequence
 
 import torch
 
-from .accounting import effective_noise_multiplier
 from .bounds import BoundReport
 
 __all__ = [
     "STRATEGIES",
     "add_noise_",
-    "layer_noise_multipliers",
     "allocate_layer_noise",
-    "strategy_effective_sigma",
     "noise_energy_allocation",
 ]
 
 STRATEGIES = ("global", "per_layer")
-
-
-def layer_noise_multipliers(
-    report: BoundReport, strategy: str, noise_multiplier: float, per_layer: Optional[Mapping[str, float]] = None
-) -> Dict[str, float]:
-    """The multiplier each layer's noise is drawn with (``sigma`` for all layers unless given per layer)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "global":
-        return {layer.name: noise_multiplier for layer in report.layers}
-    per_layer = dict(per_layer or {})
-    unknown = set(per_layer) - {layer.name for layer in report.layers}
-    if unknown:
-        raise ValueError(f"noise multipliers given for unknown layers {sorted(unknown)}")
-    return {layer.name: per_layer.get(layer.name, noise_multiplier) for layer in report.layers}
 
 
 def allocate_layer_noise(sigma_eff: float, weights: Mapping[str, float]) -> Dict[str, float]:
@@ -62,15 +44,6 @@ def noise_energy_allocation(report: BoundReport) -> Dict[str, float]:
         size = sum(p.numel() for p in layer.params)
         weights[layer.name] = (size * max(layer.bound, 1e-30) ** 2) ** -0.25
     return weights
-
-
-def strategy_effective_sigma(strategy: str, sigmas: Sequence[float]) -> float:
-    """Noise multiplier of the whole step as one Gaussian mechanism (SPEC §3.4)."""
-    if strategy == "global":
-        if len(set(sigmas)) > 1:
-            raise ValueError("the global strategy uses one noise multiplier")
-        return sigmas[0]
-    return effective_noise_multiplier(sigmas)
 
 
 @torch.no_grad()

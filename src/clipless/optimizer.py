@@ -13,10 +13,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from .accounting import PrivacyAccountant, effective_noise_multiplier
+from .accounting import PrivacyAccountant
 from .bounds import BoundEngine, BoundError, BoundReport
+from .calibration import BudgetExhaustedError, NoisePlan
 from .layers import adaptive_clips
-from .noise import add_noise_, layer_noise_multipliers, strategy_effective_sigma
+from .noise import add_noise_
+from .randomness import secret_generator
 
 __all__ = ["DPOptimizer", "InputGuard"]
 
@@ -42,9 +44,13 @@ def _largest_norm(x: torch.Tensor, bound: float) -> float:
 class InputGuard:
     """Forward pre-hook that refuses inputs the privacy analysis does not cover.
 
-    Wrong per-example shape or NaN/inf values always raise; a norm above the
-    declared data bound raises while the model is in training mode.
+    Wrong per-example shape or NaN/inf values always raise.  A norm above the declared data bound
+    raises on every forward whose output can reach a private step: in training mode, and whenever
+    autograd records the forward (an ``eval()``-mode forward with gradients can still be backpropagated
+    and released).  Only no-grad evaluation in ``eval()`` mode is left unchecked.
     """
+
+    is_input_guard = True  # the one hook the bound engine accepts on a private model: it only refuses inputs
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int], data_bound: Optional[float]) -> None:
         self.input_shape = tuple(input_shape)
@@ -60,7 +66,8 @@ class InputGuard:
         # A finite sum implies finite entries (NaN and inf propagate); only a non-finite sum needs the full check.
         if x.is_floating_point() and not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
             raise BoundError("input contains NaN or infinite values")
-        if module.training and self.data_bound is not None and x.shape[0] > 0:
+        checked = module.training or torch.is_grad_enabled()
+        if checked and self.data_bound is not None and x.shape[0] > 0:
             largest = _largest_norm(x, self.data_bound)
             if largest > self.data_bound * (1 + 1e-6):
                 raise BoundError(
@@ -73,59 +80,72 @@ class InputGuard:
 
 
 class DPOptimizer:
-    """A private optimizer step around ``optimizer`` for the model covered by ``bound_engine``."""
+    """A private optimizer step around ``optimizer`` for the model covered by ``bound_engine``.
+
+    The noise comes from ``plan`` (:func:`~clipless.calibration.plan_noise`, the one noise plan); the
+    step refuses to run past ``plan.max_steps`` (the target epsilon) and refuses a gradient on any
+    parameter its bounds do not cover.  Without ``generator`` the noise is drawn from OS entropy.
+    """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         bound_engine: BoundEngine,
-        noise_multiplier: float,
+        plan: NoisePlan,
         expected_batch_size: float,
-        sample_rate: float,
         accountant: PrivacyAccountant,
-        strategy: str = "global",
-        layer_noise: Optional[Mapping[str, float]] = None,
         generator: Optional[torch.Generator] = None,
     ) -> None:
+        if accountant.mechanism != plan.accountant:
+            raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
+                             f"{accountant.mechanism!r}")
         self.original_optimizer = optimizer
         self.bound_engine = bound_engine
+        self.plan = plan
         self.expected_batch_size = float(expected_batch_size)
-        self.sample_rate = float(sample_rate)
+        self.sample_rate = plan.sample_rate
         self.accountant = accountant
-        self.strategy = strategy
-        self.noise_multiplier = float(noise_multiplier)
         report = bound_engine.compute()
-        self.layer_sigmas: Dict[str, float] = layer_noise_multipliers(report, strategy, noise_multiplier, layer_noise)
+        if set(plan.layer_sigmas) != {layer.name for layer in report.layers}:
+            raise ValueError("the noise plan does not name exactly the model's bounded layers")
         # Adaptive clipping releases a noisy count per step on the same batch: one more Gaussian mechanism.
         self.adaptive_clips = adaptive_clips(bound_engine.model)
-        self.effective_noise_multiplier = self._step_sigma(list(self.layer_sigmas.values()))
-        bounded = {id(p) for layer in report.layers for p in layer.params}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in bounded:
-                    raise BoundError("the optimizer holds a parameter that the bound engine does not cover")
-        if generator is None:
-            device = next(bound_engine.model.parameters()).device
-            generator = torch.Generator(device=device)
-            generator.seed()
-        self.generator = generator
+        counts = tuple(clip.count_noise_multiplier for clip in self.adaptive_clips)
+        if tuple(sorted(counts)) != tuple(sorted(plan.mechanism_sigmas)):
+            raise ValueError(f"the noise plan accounts per-step mechanisms {list(plan.mechanism_sigmas)} but the "
+                             f"model releases counts with multipliers {list(counts)}")
+        self._bounded = {id(p) for layer in report.layers for p in layer.params}
+        self._check_covered()
+        self.generator = generator if generator is not None else secret_generator(
+            next(bound_engine.model.parameters()).device)
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
 
-    def set_layer_noise(self, layer_sigmas: Mapping[str, float]) -> None:
-        """Replace the per-layer multipliers (per-layer strategy) and the accounted ``sigma_eff``."""
-        if set(layer_sigmas) != set(self.layer_sigmas):
-            raise ValueError("layer noise multipliers must name exactly the bounded layers")
-        sigmas = {k: float(v) for k, v in layer_sigmas.items()}
-        self.effective_noise_multiplier = self._step_sigma(list(sigmas.values()))
-        self.layer_sigmas = sigmas
+    # Read-only views of the plan (one meaning each, see clipless.calibration).
+    @property
+    def strategy(self) -> str:
+        return self.plan.strategy
 
-    def _step_sigma(self, layer_sigmas: List[float]) -> float:
-        """``sigma_eff`` of one step: the gradient noise and every adaptive-clipping count (SPEC §3.3-3.4)."""
-        gradient = strategy_effective_sigma(self.strategy, layer_sigmas)
-        counts = [clip.count_noise_multiplier for clip in self.adaptive_clips]
-        return effective_noise_multiplier([gradient, *counts]) if counts else gradient
+    @property
+    def noise_multiplier(self) -> float:
+        return self.plan.gradient_sigma
+
+    @property
+    def layer_sigmas(self) -> Dict[str, float]:
+        return dict(self.plan.layer_sigmas)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        return self.plan.step_sigma
+
+    def _check_covered(self) -> None:
+        for group in self.original_optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._bounded and (p.requires_grad or p.grad is not None):
+                    raise BoundError("the optimizer holds a trainable parameter that the bound engine does not cover "
+                                     "(added after make_private, or frozen when the bounds were computed); "
+                                     "call make_private again")
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -135,20 +155,26 @@ class DPOptimizer:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        max_steps = self.plan.max_steps
+        if max_steps is not None and self.accountant.steps >= max_steps:
+            raise BudgetExhaustedError(
+                f"the privacy budget (epsilon {self.plan.target_epsilon}, delta {self.plan.delta}) allows "
+                f"{max_steps} steps and all were taken; no further step is released")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_covered()
         report = self.bound_engine.compute()
         self.last_report = report
         self.last_noise_std = add_noise_(
-            report, self.strategy, self.layer_sigmas, self.expected_batch_size, self.generator
+            report, self.plan.strategy, self.plan.layer_sigmas, self.expected_batch_size, self.generator
         )
         self.original_optimizer.step()
         self.bound_engine.project_()
         for clip in self.adaptive_clips:  # after the step: its noise used the C of this batch's backward
             clip.update_(self.expected_batch_size, self.generator)
-        self.accountant.step(self.effective_noise_multiplier, self.sample_rate)
+        self.accountant.step(self.plan.step_sigma, self.sample_rate)
         return loss
 
     def state_dict(self) -> Dict[str, Any]:

@@ -2,13 +2,45 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-__all__ = ["PoissonBatchSampler", "poisson_data_loader", "BatchCollator", "PreCollated"]
+from .randomness import secret_generator
+
+__all__ = ["PoissonBatchSampler", "poisson_data_loader", "BatchCollator", "PreCollated", "poisson_threshold",
+           "realised_sample_rate", "SAMPLING_BITS"]
+
+# Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
+# arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (SPEC §7: float32
+# uniforms have resolution 2^-24 and realised q = 3.33e-7 as 3.58e-7).  A rate at or below the accounted q
+# never under-reports epsilon (the subsampled Gaussian's epsilon increases with q).
+SAMPLING_BITS = 53
+
+
+def poisson_threshold(sample_rate: float) -> int:
+    """``floor(q 2^53)``, exactly (``q`` as the binary fraction it is); refuses a rate that cannot be realised."""
+    if not (0 < sample_rate <= 1):
+        raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+    threshold = int(Fraction(sample_rate) * (1 << SAMPLING_BITS))
+    if threshold == 0:
+        raise ValueError(f"sample rate {sample_rate:g} is below 2^-{SAMPLING_BITS}: Poisson sampling cannot realise it")
+    return threshold
+
+
+def realised_sample_rate(sample_rate: float) -> Fraction:
+    """The inclusion probability the sampler actually realises for ``sample_rate`` (``<= q``, within 2^-53)."""
+    return Fraction(poisson_threshold(sample_rate), 1 << SAMPLING_BITS)
+
+
+def poisson_mask(num_samples: int, sample_rate: float, generator: torch.Generator) -> torch.Tensor:
+    """Boolean mask with each entry True independently with probability ``realised_sample_rate(q)``."""
+    draws = torch.randint(0, 1 << SAMPLING_BITS, (num_samples,), generator=generator, dtype=torch.int64,
+                          device=generator.device)
+    return draws < poisson_threshold(sample_rate)
 
 
 class PoissonBatchSampler(Sampler[List[int]]):
@@ -16,7 +48,8 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
     Batches have random size and may be empty: this is the sampling the
     accountant assumes.  ``len`` is the number of steps per epoch,
-    ``round(1/q)`` by default (one expected pass over the data).
+    ``round(1/q)`` by default (one expected pass over the data).  Without a
+    ``generator`` the batches are drawn from OS entropy (:func:`~clipless.randomness.secret_generator`).
     """
 
     def __init__(
@@ -28,20 +61,18 @@ class PoissonBatchSampler(Sampler[List[int]]):
     ) -> None:
         if num_samples <= 0:
             raise ValueError("dataset is empty")
-        if not (0 < sample_rate <= 1):
-            raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+        self.threshold = poisson_threshold(sample_rate)  # validates
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
-        self.generator = generator if generator is not None else torch.Generator()
+        self.generator = generator if generator is not None else secret_generator()
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps_per_epoch):
-            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            yield mask.nonzero(as_tuple=True)[0].tolist()
+            yield poisson_mask(self.num_samples, self.sample_rate, self.generator).nonzero(as_tuple=True)[0].tolist()
 
 
 class BatchCollator:

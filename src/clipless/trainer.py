@@ -8,7 +8,6 @@ and stops before a step would take epsilon past the target.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,18 +17,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .accounting import (
-    calibrate_noise_multiplier,
-    calibrate_steps,
-    check_delta,
-    compute_epsilon,
-    gradient_noise_multiplier,
-)
+from .accounting import check_delta
 from .bounds import BoundedModule
-from .layers import adaptive_clips
 from .engine import PrivacyEngine
 from .losses import LipschitzLoss
-from .noise import STRATEGIES, allocate_layer_noise, noise_energy_allocation
+from .randomness import make_generator, randomness_label
 from .tightness import TightnessMonitor
 
 __all__ = ["PrivateTrainer", "TrainResult", "evaluate"]
@@ -37,8 +29,10 @@ __all__ = ["PrivateTrainer", "TrainResult", "evaluate"]
 
 @dataclass
 class TrainResult:
+    """What a run releases.  Everything here is covered by the guarantee or measured on the test split,
+    except the ``nonprivate_*`` history entries, present only when asked for (``log_train_stats``)."""
+
     test_accuracy: Optional[float]
-    train_accuracy: float
     epsilon: float
     delta: float
     noise_multiplier: float
@@ -50,7 +44,9 @@ class TrainResult:
     sampling: str
     accountant: str
     strategy: str
-    seed: Optional[int]
+    private: bool
+    randomness: str
+    privacy_note: str
     wall_time_s: float
     stopped_by_budget: bool
     history: List[Dict[str, float]] = field(default_factory=list)
@@ -105,24 +101,18 @@ def collect_outputs(
     return torch.cat(outputs), torch.cat(labels)
 
 
-def _generator(seed: Optional[int], device: Union[str, torch.device] = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()  # fresh OS entropy
-    else:
-        g.manual_seed(seed)
-    return g
-
-
 class PrivateTrainer:
     """Train ``model`` with clipless DP-SGD on ``train_data`` under (``target_epsilon``, ``delta``).
 
     Give ``target_epsilon`` (sigma is calibrated for ``epochs``), or
     ``noise_multiplier`` (with ``target_epsilon`` too, the number of steps is
-    calibrated and training stops at the budget).  With ``strategy='per_layer'``,
-    ``layer_noise_multipliers`` may be a dict of relative weights or ``'energy'``
-    (:func:`~clipless.noise.noise_energy_allocation`).  ``seed`` fixes the
-    sampling and noise generators (for experiments; the result says so).
+    calibrated and training stops at the budget); both go through the one noise
+    plan (:func:`~clipless.calibration.plan_noise`).  With ``strategy='per_layer'``,
+    ``layer_noise_multipliers`` are relative weights or ``'energy'``.
+    Noise and sampling are drawn from OS entropy; ``noise_seed`` fixes them for
+    experiments, and the result then says the run is not private.
+    ``log_train_stats`` adds the loss and accuracy of the training batches to the
+    history, labelled ``nonprivate_*``: they are computed without noise.
     ``tightness_monitor`` checks true per-example gradients against the bounds
     during training and stops with :class:`~clipless.BoundError` if one exceeds them.
     """
@@ -144,7 +134,7 @@ class PrivateTrainer:
         strategy: str = "global",
         layer_noise_multipliers: Union[Mapping[str, float], str, None] = None,
         accountant: str = "pld",
-        seed: Optional[int] = None,
+        noise_seed: Optional[int] = None,
         test_data: Optional[Dataset] = None,
         device: str = "cpu",
         progress: bool = True,
@@ -152,81 +142,46 @@ class PrivateTrainer:
         checkpoint_path: Optional[Union[str, Path]] = None,
         average_decay: Optional[float] = None,
         tightness_monitor: Optional[TightnessMonitor] = None,
+        log_train_stats: bool = False,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}")
         if target_epsilon is None and noise_multiplier is None:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
+        if epochs is None and target_epsilon is None:
+            raise ValueError("give epochs or target_epsilon: training would never stop")
         n = len(train_data)  # type: ignore[arg-type]
         check_delta(delta, n)
+        if not (isinstance(batch_size, (int, float)) and 0 < batch_size <= n):
+            raise ValueError(f"batch_size (the expected Poisson batch size) must be in (0, N={n}], got {batch_size!r}")
         self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
         self.delta, self.target_epsilon, self.strategy = delta, target_epsilon, strategy
         self.device, self.progress, self.log = device, progress, log
-        self.seed = seed
+        self.noise_seed = noise_seed
+        self.log_train_stats = bool(log_train_stats)
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.sample_rate = batch_size / n
         self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.privacy_engine = PrivacyEngine(accountant)
-        mechanism = self.privacy_engine.accountant.mechanism
-
-        if noise_multiplier is None:
-            if epochs is None:
-                raise ValueError("calibrating sigma to target_epsilon needs epochs")
-            sigma = calibrate_noise_multiplier(
-                target_epsilon, delta, self.sample_rate, epochs * self.steps_per_epoch, mechanism  # type: ignore[arg-type]
-            )
-        else:
-            sigma = float(noise_multiplier)
-        counts = [clip.count_noise_multiplier for clip in adaptive_clips(model)]
-        if counts and noise_multiplier is None:
-            sigma = gradient_noise_multiplier(sigma, counts)
-
-        self.sampling_generator = _generator(None if seed is None else seed + 1)
+        self.sampling_generator = make_generator(noise_seed, stream=1)
         self.model, self.optimizer, self.loader = self.privacy_engine.make_private(
             module=model,
             optimizer=optimizer,
             data=train_data,
             loss=loss,
-            noise_multiplier=sigma,
+            noise_multiplier=noise_multiplier,
             input_shape=tuple(input_shape),
             batch_size=batch_size,
             input_bound=input_bound,
             strategy=strategy,
-            layer_noise_multipliers=None if isinstance(layer_noise_multipliers, str) else layer_noise_multipliers,
-            noise_generator=_generator(None if seed is None else seed + 2, next(model.parameters()).device),
+            layer_noise_multipliers=layer_noise_multipliers,
+            target_epsilon=target_epsilon,
+            target_delta=delta,
+            epochs=epochs,
+            noise_generator=make_generator(noise_seed, next(model.parameters()).device, stream=2),
             sampling_generator=self.sampling_generator,
         )
-        if isinstance(layer_noise_multipliers, str):
-            if layer_noise_multipliers != "energy" or strategy != "per_layer":
-                raise ValueError("layer_noise_multipliers='energy' needs strategy='per_layer'")
-            if noise_multiplier is not None:
-                raise ValueError("layer_noise_multipliers='energy' allocates a calibrated sigma: give target_epsilon")
-        if strategy == "per_layer" and noise_multiplier is None:
-            # sigma was calibrated as sigma_eff: layer multipliers (relative weights if given)
-            # are scaled to compose to it (SPEC §3.4).
-            weights = self.optimizer.layer_sigmas
-            if layer_noise_multipliers == "energy":
-                weights = noise_energy_allocation(self.optimizer.last_report)  # type: ignore[arg-type]
-            self.optimizer.set_layer_noise(allocate_layer_noise(sigma, weights))
-        sigma_eff = self.optimizer.effective_noise_multiplier
-        self.max_steps: float = math.inf
-        planned = epochs * self.steps_per_epoch if epochs is not None else None
-        self._budget_limited = False
-        if target_epsilon is not None:
-            within = planned is not None and (
-                compute_epsilon(sigma_eff, self.sample_rate, planned, delta, mechanism) <= target_epsilon
-            )
-            if not within:  # the budget, not the epochs, decides when to stop
-                self._budget_limited = True
-                self.max_steps = calibrate_steps(target_epsilon, delta, self.sample_rate, sigma_eff, mechanism)
-                if self.max_steps == 0:
-                    raise ValueError(
-                        f"a single step at sigma_eff={sigma_eff:.4g} already exceeds epsilon={target_epsilon}"
-                    )
-        if planned is not None:
-            self.max_steps = min(self.max_steps, planned)
-        if not math.isfinite(self.max_steps):
-            raise ValueError("give epochs or target_epsilon: training would never stop")
+        plan = self.optimizer.plan
+        self.max_steps: int = plan.max_steps  # type: ignore[assignment]
+        self._budget_limited = plan.budget_limited
         self.steps = 0
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
@@ -296,7 +251,10 @@ class PrivateTrainer:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return {"train_loss": loss_sum / max(seen, 1), "train_accuracy": correct / max(seen, 1)}
+        if not self.log_train_stats:
+            return {}
+        # Computed from the training batches without noise: outside the guarantee, labelled as such.
+        return {"nonprivate_train_loss": loss_sum / max(seen, 1), "nonprivate_train_accuracy": correct / max(seen, 1)}
 
     def fit(self) -> TrainResult:
         """Train until the planned epochs or the privacy budget run out."""
@@ -307,8 +265,8 @@ class PrivateTrainer:
             self.epoch += 1
             row = {"epoch": self.epoch, "steps": self.steps, **stats, "epsilon": self.epsilon()}
             row["epoch_time_s"] = time.perf_counter() - start
-            if self.tightness_monitor is not None and self.tightness_monitor.worst:
-                row["max_tightness"] = max(self.tightness_monitor.worst.values())
+            if self.log_train_stats and self.tightness_monitor is not None and self.tightness_monitor.worst:
+                row["nonprivate_max_tightness"] = max(self.tightness_monitor.worst.values())
             if self.test_data is not None:
                 row["test_accuracy"] = evaluate(self.eval_model(), self.test_data, device=self.device)["accuracy"]
             self.history.append(row)
@@ -324,7 +282,6 @@ class PrivateTrainer:
         test_acc = self.history[-1].get("test_accuracy") if self.history else None
         return TrainResult(
             test_accuracy=test_acc,
-            train_accuracy=self.history[-1]["train_accuracy"] if self.history else 0.0,
             epsilon=self.epsilon(),
             delta=self.delta,
             noise_multiplier=self.optimizer.noise_multiplier,
@@ -336,7 +293,7 @@ class PrivateTrainer:
             sampling="poisson",
             accountant=self.accountant.mechanism,
             strategy=self.strategy,
-            seed=self.seed,
+            **randomness_label(self.noise_seed),
             wall_time_s=self._wall,
             stopped_by_budget=self._budget_limited and self.steps >= self.max_steps,
             history=list(self.history),
@@ -344,13 +301,18 @@ class PrivateTrainer:
 
     # -- checkpoints ------------------------------------------------------
     def _config(self) -> Dict[str, Any]:
+        """The privacy configuration a checkpoint must share with the run that resumes it."""
+        plan = self.optimizer.plan
         return {
+            "accountant": self.accountant.mechanism,
             "sample_rate": self.sample_rate,
             "delta": self.delta,
+            "target_epsilon": self.target_epsilon,
             "strategy": self.strategy,
-            "layer_sigmas": dict(self.optimizer.layer_sigmas),
-            "effective_noise_multiplier": self.optimizer.effective_noise_multiplier,
-            "max_steps": self.max_steps,
+            "layer_sigmas": dict(plan.layer_sigmas),
+            "effective_noise_multiplier": plan.step_sigma,
+            "max_steps": plan.max_steps,
+            "randomness": randomness_label(self.noise_seed)["randomness"],
         }
 
     def save_checkpoint(self, path: Union[str, Path]) -> None:
@@ -383,9 +345,20 @@ class PrivateTrainer:
                 "restart training from scratch"
             )
         saved, current = state.get("config", {}), self._config()
-        for key in ("sample_rate", "delta", "strategy", "effective_noise_multiplier"):
-            if key in saved and saved[key] != current[key]:
-                raise ValueError(f"checkpoint {key}={saved[key]!r} differs from this run's {current[key]!r}")
+        mechanism = accountant_state.get("mechanism")
+        if mechanism != self.accountant.mechanism:
+            raise ValueError(
+                f"checkpoint {path} was accounted with the {mechanism!r} accountant but this run uses "
+                f"{self.accountant.mechanism!r}: its budget would be planned with one and spent with the other; "
+                f"resume with accountant={mechanism!r}")
+        for key in ("accountant", "sample_rate", "delta", "target_epsilon", "strategy", "effective_noise_multiplier",
+                    "layer_sigmas", "max_steps", "randomness"):
+            if key not in saved:
+                raise ValueError(f"checkpoint {path} does not record {key!r}: it was written by an older version; "
+                                 "restart training")
+            if saved[key] != current[key]:
+                raise ValueError(f"checkpoint {path} has {key}={saved[key]!r} but this run has {current[key]!r}: "
+                                 "resume with the same privacy configuration")
         self.model.load_state_dict(state["model"])
         if self.averaged_model is not None:
             if state.get("averaged_model") is None:
