@@ -65,7 +65,7 @@ def main() -> None:
     loss = cl.TauCrossEntropy(8.0)
     trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=2e-3), loss, data.train,
                                 input_shape=data.input_shape, batch_size=4096, delta=1e-5, epochs=args.epochs,
-                                target_epsilon=args.epsilon, seed=args.seed, test_data=data.test, progress=False,
+                                target_epsilon=args.epsilon, test_data=data.test, progress=False,
                                 log=None, tightness_monitor=cl.TightnessMonitor(every=25, sample=8))
     result = trainer.fit()
     print(f"trained: test accuracy {result.test_accuracy:.4f}, epsilon {result.epsilon:.3f}")

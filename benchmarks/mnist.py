@@ -38,7 +38,7 @@ def run(data, epsilon: float, args, setup_seconds: float = 0.0) -> dict:
     trainer = cl.PrivateTrainer(
         model, optimizer, cl.TauCrossEntropy(args.tau), data.train,
         input_shape=data.input_shape, batch_size=args.batch_size, delta=args.delta, epochs=args.epochs,
-        target_epsilon=epsilon, seed=args.seed, test_data=data.test, progress=args.progress,
+        target_epsilon=epsilon, test_data=data.test, progress=args.progress,
         log=print if args.verbose else None, average_decay=args.average_decay,
     )
     start = time.perf_counter()

@@ -71,7 +71,7 @@ def run_clipless(train, test, delta, cfg, seed, accountant_log):
         model, torch.optim.Adam(model.parameters(), lr=cfg["lr"]), cl.TauCrossEntropy(cfg["tau"]), train,
         input_shape=(d,), batch_size=_batch(len(train), cfg.get("batch_scale", 1)), delta=delta,
         epochs=_epochs(cfg["epochs"], len(train), cfg.get("batch_scale", 1)),
-        target_epsilon=1.0, seed=seed, progress=False, log=None,
+        target_epsilon=1.0, progress=False, log=None,
     )
     result = trainer.fit()
     accountant_log.step(result.effective_noise_multiplier, result.sample_rate, result.steps)

@@ -326,3 +326,77 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
 
     result = json.loads((out / "result.json").read_text())
     assert result["epsilon"] <= 5.0 and result["method"] == "logit_dp" and (out / "encoder.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoders the fast path must not misread (privacy-by-default findings 9, 10, 13)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _max_clipped_pair_norm(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip: float) -> float:
+    """Largest ||Clip_B(g_ij)|| with the library's clip factors and brute-force autograd pair gradients."""
+    factors = clip_factors(encoder, xa, xb, clip)
+    brute = _pair_grads(encoder, xa, xb)
+    return max(float(factors[i, j]) * float(g.norm()) for (i, j), g in brute.items())
+
+
+def test_in_place_activations_do_not_skip_their_derivative() -> None:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 4)).double()
+    xa, xb = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    brute = _pair_grads(enc, xa, xb)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(5)] for i in range(5)], dtype=torch.float64)
+    torch.testing.assert_close(pair_gradient_norms(enc, xa, xb, method="linear"), expected, rtol=1e-7, atol=1e-10)
+    assert _max_clipped_pair_norm(enc, xa, xb, clip=0.05) <= 0.05 * (1 + 1e-9)
+
+
+def test_tied_weights_are_summed_before_the_norm() -> None:
+    torch.manual_seed(0)
+    first, second = nn.Linear(5, 5), nn.Linear(5, 5)
+    second.weight = first.weight  # one parameter used twice
+    enc = nn.Sequential(first, nn.Tanh(), second).double()
+    xa, xb = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    brute = _pair_grads(enc, xa, xb)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(4)] for i in range(4)], dtype=torch.float64)
+    torch.testing.assert_close(pair_gradient_norms(enc, xa, xb), expected, rtol=1e-7, atol=1e-10)
+    assert _max_clipped_pair_norm(enc, xa, xb, clip=0.05) <= 0.05 * (1 + 1e-9)
+    with pytest.raises(ValueError, match="method='linear'"):
+        pair_gradient_norms(enc, xa, xb, method="linear")
+
+
+def test_custom_module_using_a_linear_weight_directly_takes_the_exact_path() -> None:
+    class Reuse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 5)
+
+        def forward(self, x):
+            return self.fc(x) + torch.tanh(x @ self.fc.weight.T)  # a use no forward hook sees
+
+    torch.manual_seed(1)
+    enc = Reuse().double()
+    xa, xb = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    brute = _pair_grads(enc, xa, xb)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(3)] for i in range(3)], dtype=torch.float64)
+    torch.testing.assert_close(pair_gradient_norms(enc, xa, xb), expected, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_statistics_refused_whatever_the_mode(train: bool, affine: bool) -> None:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, affine=affine, track_running_stats=False), nn.Linear(8, 4))
+    enc.train(train)
+    xa, xb = torch.randn(6, 6), torch.randn(6, 6)
+    with pytest.raises(ValueError, match="couples examples"):
+        logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 1.0)
+
+
+def test_unknown_coupling_module_detected_on_the_exact_path() -> None:
+    class MixBatch(nn.Module):
+        def forward(self, x):
+            return x - 0.5 * x.mean(dim=0, keepdim=True)  # one example's output moves with the others
+
+    enc = nn.Sequential(nn.Linear(6, 8), MixBatch(), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="depends on the other examples"):
+        logit_dp_gradient(enc, torch.randn(5, 6), torch.randn(5, 6), "contrastive", 1.0, 1.0)

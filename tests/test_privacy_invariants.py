@@ -546,3 +546,18 @@ def test_sampler_hits_tiny_rates_float32_cannot():
     count = sum(len(b) for b in sampler)
     expected = q * n * steps  # 2.4; float32 sampling would give 23.8 on average
     assert count <= expected + 4 * math.sqrt(expected) + 3
+
+
+def test_cli_refusal_writes_nothing(tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match="delta"):
+        cli_main(["train", "--delta", "0.5", "--epochs", "1", "--no-progress", "--output-dir", str(out)])
+    with pytest.raises(ValueError, match="whole number"):
+        cli_main(["train", "--config", str(_yaml(tmp_path)), "--no-progress", "--output-dir", str(out)])
+    assert not out.exists()
+
+
+def _yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("epochs: 2.7\n")  # a fractional epoch count would overrun the planned budget
+    return path

@@ -219,7 +219,6 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         else:
             raise SystemExit("tabular data has no fixed norm bound: pass --input-clip C")
     out_dir = Path(config["output_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
     trainer = PrivateTrainer(
         model,
         optimizer,
@@ -286,12 +285,10 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
 def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     """``clipless pretrain``: pairs from random crops and flips of the training images."""
     from .baselines import standard_cnn, standard_mlp
-    from torch.utils.data import Subset
-
     from .data import load_dataset
     from .models import build_optimizer
     from .pairs import AugmentedPairs
-    from .pretrain import ContrastivePretrainer, knn_accuracy, linear_probe_accuracy
+    from .pretrain import ContrastivePretrainer, evaluate_encoder
 
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
     if seed is not None:
@@ -309,7 +306,6 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     pairs = AugmentedPairs(data.train.features, padding=padding, flip=args.flip, seed=args.noise_seed)
     eval_pairs = AugmentedPairs(data.test.features, padding=padding, flip=args.flip, seed=12345)
     out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     trainer = ContrastivePretrainer(
         encoder, build_optimizer(encoder.parameters(), args.optimizer, args.lr), pairs, method=args.method, loss=args.loss,
         tau=args.tau, clip_norm=args.clip_norm, batch_size=args.batch_size, epochs=args.epochs,
@@ -324,15 +320,9 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
             raise SystemExit(f"--resume: no checkpoint at {ckpt}")
         trainer.load_checkpoint(ckpt)
     result = trainer.fit().to_dict()
-    # Evaluated on the public test split only: its even records are the kNN reference set and the probe's
-    # training set, its odd records the queries (the pre-training records never enter a released number).
-    reference, queries = Subset(data.test, range(0, len(data.test), 2)), Subset(data.test, range(1, len(data.test), 2))
-    result.update({
-        "dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
-        "knn3_accuracy": knn_accuracy(encoder, reference, queries, k=3),
-        "linear_probe_accuracy": linear_probe_accuracy(encoder, reference, queries),
-        "evaluation": "test split halves (even records: reference / probe training; odd records: queries)",
-    })
+    result.update({"dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
+                   **evaluate_encoder(encoder, data.test)})
+    out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(encoder.state_dict(), out_dir / "encoder.pt")
     return _write_result(out_dir, result)
 

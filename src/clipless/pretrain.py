@@ -36,7 +36,8 @@ from .randomness import make_generator, randomness_label
 from .sampling import poisson_data_loader
 from .trainer import collect_outputs
 
-__all__ = ["METHODS", "PretrainResult", "ContrastivePretrainer", "embed", "knn_accuracy", "linear_probe_accuracy"]
+__all__ = ["METHODS", "PretrainResult", "ContrastivePretrainer", "embed", "knn_accuracy", "linear_probe_accuracy",
+           "evaluate_encoder"]
 
 METHODS = ("logit_dp", "naive_dp", "nonprivate")
 _ONE_MECHANISM = BoundReport(layers=(), input_bound=1.0, output_bound=1.0, loss_lipschitz=1.0)
@@ -247,6 +248,7 @@ class ContrastivePretrainer:
         """Encoder, optimizer, progress, RNG states, augmentation state and the accountant's history, written
         atomically (a temporary file renamed over the old one)."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         state = {
             "encoder": self.encoder.state_dict(), "optimizer": self.optimizer.state_dict(),
             "accountant": None if self.accountant is None else self.accountant.state_dict(),
@@ -322,3 +324,17 @@ def linear_probe_accuracy(encoder: nn.Module, train: Dataset, test: Dataset, epo
         opt.step()
     with torch.no_grad():
         return float((head(te_x).argmax(1) == te_y).double().mean())
+
+
+def evaluate_encoder(encoder: nn.Module, test: Dataset) -> Dict[str, Any]:
+    """kNN (k=3) and linear-probe accuracy measured on the public test split alone.
+
+    Its even records are the kNN reference set and the probe's training set, its odd records the queries:
+    the pre-training records never enter a released number (SPEC §7).
+    """
+    from torch.utils.data import Subset
+
+    reference, queries = Subset(test, range(0, len(test), 2)), Subset(test, range(1, len(test), 2))  # type: ignore[arg-type]
+    return {"knn3_accuracy": knn_accuracy(encoder, reference, queries, k=3),
+            "linear_probe_accuracy": linear_probe_accuracy(encoder, reference, queries),
+            "evaluation": "test split halves (even records: reference / probe training; odd records: queries)"}
