@@ -24,7 +24,6 @@ from .models import build_optimizer
 from tqdm.auto import tqdm
 
 from .accounting import PrivacyAccountant, check_delta
-from .bounds import BoundReport
 from .calibration import plan_noise, planned_steps
 from .randomness import make_generator, randomness_label
 from .sampling import poisson_data_loader
@@ -90,10 +89,6 @@ class BaselineResult:
         return asdict(self)
 
 
-# Clipped DP-SGD releases one Gaussian per step at the clip norm: the plan's single "layer".
-_SINGLE_MECHANISM = BoundReport(layers=(), input_bound=1.0, output_bound=1.0, loss_lipschitz=1.0)
-
-
 def predict_scores(model: nn.Module, data: Dataset, batch_size: int = 4096) -> Dict[str, Optional[float]]:
     """Accuracy, and AUROC of the score ``z_1 - z_0`` when there are two classes (no privacy cost: held-out data)."""
     from sklearn.metrics import roc_auc_score
@@ -147,7 +142,7 @@ def train_dpsgd(
     sample_rate = 1.0 / len(loader)
     steps = planned_steps(epochs, len(loader))
     ours = PrivacyAccountant(accountant)
-    plan = plan_noise(_SINGLE_MECHANISM, sample_rate=sample_rate, accountant=ours.mechanism,
+    plan = plan_noise(None, sample_rate=sample_rate, accountant=ours.mechanism,
                       noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta, steps=steps)
     noise_multiplier, steps = plan.gradient_sigma, plan.max_steps
     opt = build_optimizer(model.parameters(), optimizer, lr)

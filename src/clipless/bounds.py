@@ -184,6 +184,21 @@ class BoundReport:
         return {layer.name: layer.bound for layer in self.layers}
 
 
+def global_hooks_registered() -> bool:
+    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_*``) exist."""
+    from torch.nn.modules import module as _module
+
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks)
+
+
+def module_hooks(module: nn.Module) -> List[Any]:
+    """The module's own forward/backward hooks, except input guards (which only refuse inputs)."""
+    hooks = list(module._forward_hooks.values()) + list(module._backward_hooks.values())
+    hooks += list(getattr(module, "_backward_pre_hooks", {}).values())
+    hooks += [h for h in module._forward_pre_hooks.values() if not getattr(h, "is_input_guard", False)]
+    return hooks
+
+
 def _check_forward_matches_bounds(cls: type, name: str) -> None:
     """A subclass that changes ``forward`` but inherits ``layer_bound`` declares bounds for another function."""
     forward_owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
@@ -285,14 +300,10 @@ class BoundEngine:
 
     def _check_known_forwards(self) -> None:
         """Hooks can change what a module computes or back-propagates: refuse every hook but the input guard."""
-        from torch.nn.modules import module as _module
-
-        if _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks:
+        if global_hooks_registered():
             raise BoundError("global module hooks are registered: they could change the outputs the bounds describe")
         for module in self.model.modules():
-            hooks = list(module._forward_hooks.values()) + list(module._backward_hooks.values())
-            hooks += list(getattr(module, "_backward_pre_hooks", {}).values())
-            hooks += [h for h in module._forward_pre_hooks.values() if not getattr(h, "is_input_guard", False)]
+            hooks = module_hooks(module)
             if hooks:
                 name = self._names.get(id(module), "?") or "<model>"
                 raise BoundError(f"module '{name}' has hooks ({len(hooks)}) that may change its outputs or gradients; "

@@ -93,8 +93,8 @@ def _positive(value: Optional[float], name: str) -> Optional[float]:
     return float(value)
 
 
-def _relative_weights(report: BoundReport, strategy: str, weights: LayerWeights) -> Dict[str, float]:
-    names = [layer.name for layer in report.layers]
+def _relative_weights(report: Optional[BoundReport], strategy: str, weights: LayerWeights) -> Dict[str, float]:
+    names = [layer.name for layer in report.layers] if report is not None else []
     if strategy == "global":
         if weights is not None:
             raise ValueError("layer_noise_multipliers need strategy='per_layer'")
@@ -116,7 +116,7 @@ def _relative_weights(report: BoundReport, strategy: str, weights: LayerWeights)
 
 
 def plan_noise(
-    report: BoundReport,
+    report: Optional[BoundReport],
     *,
     sample_rate: float,
     accountant: str,
@@ -130,7 +130,8 @@ def plan_noise(
 ) -> NoisePlan:
     """Per-layer multipliers, the accounted ``sigma_step`` and the step budget of a private run.
 
-    Give ``noise_multiplier`` (the gradient's ``sigma_grad``), or ``target_epsilon`` with ``delta`` and
+    ``report`` names the layers (per-layer allocation); ``None`` plans one Gaussian mechanism for the whole
+    released gradient (clipped DP-SGD, Logit-DP).  Give ``noise_multiplier`` (the gradient's ``sigma_grad``), or ``target_epsilon`` with ``delta`` and
     ``steps`` (``sigma_step`` is calibrated so that ``steps`` steps stay within the target, and the other
     mechanisms' share is taken out of it), or both (the steps are capped by the budget).
     """

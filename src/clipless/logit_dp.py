@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
+from .bounds import global_hooks_registered, module_hooks
+
 __all__ = [
     "LOSSES",
     "LOSS_FUNCTIONS",
@@ -151,15 +153,11 @@ _KNOWN_ACTIVATIONS = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Si
 def _outer_product_path_applies(encoder: nn.Module) -> bool:
     """Every module is a plain ``nn.Sequential``, an ``nn.Linear`` or a known activation, without hooks, and
     no parameter is shared: then the parameters' gradients are exactly the per-layer outer products."""
-    from torch.nn.modules import module as _module
-
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks:
+    if global_hooks_registered():
         return False
     seen = set()
     for m in encoder.modules():
-        if type(m) not in (nn.Sequential, nn.Linear) + _KNOWN_ACTIVATIONS:
-            return False
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+        if type(m) not in (nn.Sequential, nn.Linear) + _KNOWN_ACTIVATIONS or module_hooks(m):
             return False
     for _, p in encoder.named_parameters(remove_duplicate=False):
         if id(p) in seen:  # tied weights: the gradient is the sum of both uses, not two separate blocks

@@ -19,7 +19,6 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from .accounting import PrivacyAccountant, check_delta
-from .bounds import BoundReport
 from .calibration import BudgetExhaustedError, plan_noise, planned_steps
 from .logit_dp import (
     LOSS_FUNCTIONS,
@@ -40,7 +39,7 @@ __all__ = ["METHODS", "PretrainResult", "ContrastivePretrainer", "embed", "knn_a
            "evaluate_encoder"]
 
 METHODS = ("logit_dp", "naive_dp", "nonprivate")
-_ONE_MECHANISM = BoundReport(layers=(), input_bound=1.0, output_bound=1.0, loss_lipschitz=1.0)
+
 
 
 @dataclass
@@ -134,7 +133,7 @@ class ContrastivePretrainer:
             check_delta(delta, n)
             self.accountant = PrivacyAccountant(accountant)
             # One Gaussian mechanism per step (the whole clipped gradient), planned like every other run.
-            self.plan = plan_noise(_ONE_MECHANISM, sample_rate=self.sample_rate, accountant=accountant,
+            self.plan = plan_noise(None, sample_rate=self.sample_rate, accountant=accountant,
                                    noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
                                    steps=self.planned_steps)
             self.sigma = self.plan.step_sigma
