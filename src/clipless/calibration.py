@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from .accounting import (
@@ -56,21 +56,6 @@ class NoisePlan:
     target_epsilon: Optional[float] = None
     delta: Optional[float] = None
     budget_limited: bool = False
-    layer_weights: Mapping[str, float] = field(default_factory=dict)
-
-    def planned_epsilon(self) -> Optional[float]:
-        """Epsilon after ``max_steps`` steps (None without a step budget or a delta)."""
-        if self.max_steps is None or self.delta is None:
-            return None
-        return compute_epsilon(self.step_sigma, self.sample_rate, self.max_steps, self.delta, self.accountant)
-
-    def as_dict(self) -> Dict[str, object]:
-        return {
-            "strategy": self.strategy, "layer_sigmas": dict(self.layer_sigmas), "gradient_sigma": self.gradient_sigma,
-            "mechanism_sigmas": list(self.mechanism_sigmas), "step_sigma": self.step_sigma,
-            "sample_rate": self.sample_rate, "accountant": self.accountant, "max_steps": self.max_steps,
-            "target_epsilon": self.target_epsilon, "delta": self.delta,
-        }
 
 
 def planned_steps(epochs: object, steps_per_epoch: int) -> int:
@@ -172,5 +157,5 @@ def plan_noise(
     return NoisePlan(
         strategy=strategy, layer_sigmas=layer_sigmas, gradient_sigma=gradient_sigma, mechanism_sigmas=others,
         step_sigma=step_sigma, sample_rate=float(sample_rate), accountant=accountant, max_steps=max_steps,
-        target_epsilon=target_epsilon, delta=delta, budget_limited=limited, layer_weights=weights,
+        target_epsilon=target_epsilon, delta=delta, budget_limited=limited,
     )

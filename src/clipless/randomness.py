@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-__all__ = ["secret_generator", "seeded_generator", "make_generator", "randomness_label", "secret_seed"]
+__all__ = ["secret_generator", "make_generator", "randomness_label", "secret_seed"]
 
 # Layout of the CPU generator state (ATen CPUGeneratorImplState): initial seed (u64), left (i32),
 # seeded (i32), next (u64), then the 624 Mersenne Twister words stored as u64.
@@ -54,22 +54,16 @@ def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generato
     return generator
 
 
-def seeded_generator(seed: int, device: Union[str, torch.device] = "cpu") -> torch.Generator:
-    """A reproducible generator (experiments only: NOT private against anyone who knows ``seed``)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"a fixed noise seed must be an integer, got {seed!r}")
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 def make_generator(seed: Optional[int], device: Union[str, torch.device] = "cpu", stream: int = 0) -> torch.Generator:
-    """``secret_generator`` when ``seed`` is None, else a fixed generator for stream ``stream`` of ``seed``."""
+    """``secret_generator`` when ``seed`` is None, else a reproducible generator for stream ``stream`` of
+    ``seed`` (experiments only: NOT private against anyone who knows ``seed``)."""
     if seed is None:
         return secret_generator(device)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"a fixed noise seed must be an integer, got {seed!r}")
     # distinct streams of one seed (noise, sampling, augmentation) must not coincide
     digest = hashlib.sha256(f"clipless:{seed}:{stream}".encode()).digest()
-    return seeded_generator(int.from_bytes(digest[:8], "little"), device)
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
 
 
 def randomness_label(noise_seed: Optional[int]) -> Dict[str, Any]:

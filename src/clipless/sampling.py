@@ -36,11 +36,12 @@ def realised_sample_rate(sample_rate: float) -> Fraction:
     return Fraction(poisson_threshold(sample_rate), 1 << SAMPLING_BITS)
 
 
-def poisson_mask(num_samples: int, sample_rate: float, generator: torch.Generator) -> torch.Tensor:
-    """Boolean mask with each entry True independently with probability ``realised_sample_rate(q)``."""
+def poisson_mask(num_samples: int, threshold: int, generator: torch.Generator) -> torch.Tensor:
+    """Boolean mask, each entry True independently with probability ``threshold / 2^53``
+    (``threshold = poisson_threshold(q)``, so the probability is ``realised_sample_rate(q)``)."""
     draws = torch.randint(0, 1 << SAMPLING_BITS, (num_samples,), generator=generator, dtype=torch.int64,
                           device=generator.device)
-    return draws < poisson_threshold(sample_rate)
+    return draws < threshold
 
 
 class PoissonBatchSampler(Sampler[List[int]]):
@@ -72,7 +73,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps_per_epoch):
-            yield poisson_mask(self.num_samples, self.sample_rate, self.generator).nonzero(as_tuple=True)[0].tolist()
+            yield poisson_mask(self.num_samples, self.threshold, self.generator).nonzero(as_tuple=True)[0].tolist()
 
 
 class BatchCollator:

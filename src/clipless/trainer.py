@@ -181,7 +181,6 @@ class PrivateTrainer:
         )
         plan = self.optimizer.plan
         self.max_steps: int = plan.max_steps  # type: ignore[assignment]
-        self._budget_limited = plan.budget_limited
         self.steps = 0
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
@@ -243,10 +242,11 @@ class PrivateTrainer:
             if self.averaged_model is not None:
                 self._update_average()
             self.steps += 1
-            with torch.no_grad():
-                loss_sum += float(per_example.sum())
-                correct += int((_predictions(logits) == y).sum())
-                seen += int(y.shape[0])
+            if self.log_train_stats:  # otherwise nothing of the batch is read back: no work, nothing to leak
+                with torch.no_grad():
+                    loss_sum += float(per_example.sum())
+                    correct += int((_predictions(logits) == y).sum())
+                    seen += int(y.shape[0])
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -295,7 +295,7 @@ class PrivateTrainer:
             strategy=self.strategy,
             **randomness_label(self.noise_seed),
             wall_time_s=self._wall,
-            stopped_by_budget=self._budget_limited and self.steps >= self.max_steps,
+            stopped_by_budget=self.optimizer.plan.budget_limited and self.steps >= self.max_steps,
             history=list(self.history),
         )
 
