@@ -9,11 +9,13 @@ varies by about +-15% from one process to the next, so single-process ratios are
 
   lipschitz  non-private step of the Lipschitz model: forward + backward + Adam + projection
   clipless   clipless private step of the same model (DPOptimizer: certified bounds, noise, /b, Adam,
-             projection, accountant)
+             projection, accountant, the step guard's checks)
+  unguarded  the same private step with the step guard's checks removed (benchmark only: what they cost)
   standard   non-private step of the unconstrained counterpart (same widths, nn.Conv2d/nn.Linear, ReLU)
   opacus     Opacus DP-SGD step of the standard model (per-example gradients, clipping, noise, Adam)
 
-Ratios: clipless / lipschitz (the cost of privacy on the same model) and opacus / standard.
+Ratios: clipless / lipschitz (the cost of privacy on the same model), clipless / unguarded (the cost of
+the checks that the private step owns its inputs) and opacus / standard.
 """
 
 from __future__ import annotations
@@ -31,7 +33,21 @@ from pathlib import Path
 import torch
 from report import rss_mb
 
-METHODS = ("lipschitz", "clipless", "standard", "opacus")
+METHODS = ("lipschitz", "clipless", "unguarded", "standard", "opacus")
+
+
+class _NoChecks:
+    """Stands in for the step guard (clipless.guard.StepGuard) in the 'unguarded' measurement only."""
+
+    def check_step(self, params) -> None:
+        pass
+
+    def clear_gradient_state(self) -> None:
+        pass
+
+    def finish_step(self, params) -> None:
+        for p in params:
+            p.grad = None
 
 
 def _build(method: str, model_name: str, batch: int, device: str):
@@ -47,7 +63,7 @@ def _build(method: str, model_name: str, batch: int, device: str):
     if model_name == "linear":  # scattering features lie on the unit sphere
         x = x / x.norm(dim=1, keepdim=True)
     y = torch.randint(0, 10, (batch,), device=device)
-    if method in ("lipschitz", "clipless"):
+    if method in ("lipschitz", "clipless", "unguarded"):
         if model_name == "cnn":
             model = cl.lipschitz_cnn(shape, 10, channels=(16, 32), input_clip=bound)
         elif model_name == "linear":
@@ -71,6 +87,9 @@ def _build(method: str, model_name: str, batch: int, device: str):
             # like benchmarks/mnist.py, the linear head relies on its InputNormClip alone (no data-bound check)
             input_shape=shape, batch_size=batch / 2, input_bound=None if model_name == "linear" else bound,
         )
+        if method == "unguarded":
+            dp_opt.guard.remove()
+            dp_opt.guard = _NoChecks()
 
         def step() -> None:
             dp_opt.zero_grad()
@@ -169,6 +188,8 @@ def main() -> None:
                 row[f"{method}_mb"] = peaks[method]
             if "clipless_ms" in row and "lipschitz_ms" in row:
                 row["clipless/lipschitz"] = row["clipless_ms"] / row["lipschitz_ms"]
+            if "clipless_ms" in row and "unguarded_ms" in row:
+                row["clipless/unguarded"] = row["clipless_ms"] / row["unguarded_ms"]
             if "opacus_ms" in row and "standard_ms" in row:
                 row["opacus/standard"] = row["opacus_ms"] / row["standard_ms"]
             rows.append(row)
@@ -179,9 +200,11 @@ def main() -> None:
 
     print_table(
         f"{'model':5} {'batch':>6} " + " ".join(f"{m + ' ms':>13}" for m in args.methods)
-        + f" {'clipless/lip':>12} {'opacus/std':>10} " + " ".join(f"{m + ' MB':>13}" for m in args.methods),
+        + f" {'clipless/lip':>12} {'clipless/ung':>12} {'opacus/std':>10} "
+        + " ".join(f"{m + ' MB':>13}" for m in args.methods),
         [f"{r['model']:5} {r['batch']:6d} " + " ".join(f"{cell(r, m + '_ms', '.2f'):>13}" for m in args.methods)
-         + f" {cell(r, 'clipless/lipschitz', '.3f'):>12} {cell(r, 'opacus/standard', '.3f'):>10} "
+         + f" {cell(r, 'clipless/lipschitz', '.3f'):>12} {cell(r, 'clipless/unguarded', '.3f'):>12}"
+         + f" {cell(r, 'opacus/standard', '.3f'):>10} "
          + " ".join(f"{cell(r, m + '_mb', '.0f'):>13}" for m in args.methods) for r in rows],
     )
     write_json(args.out, {"threads": args.threads, "device": args.device, "torch": torch.__version__,

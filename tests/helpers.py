@@ -149,3 +149,27 @@ def check(model: nn.Module, shape, radius: float = 2.0, seed: int = 0, loss=None
             assert ratio <= 1 + TOL, f"{phase} weights: layer {name} gradient {ratio:.6f} x its bound"
         results[phase] = worst
     return results
+
+
+def empty_batch_backward(model, loss, input_shape):
+    """The forward/backward of an empty Poisson batch: the next private step releases pure noise."""
+    x = torch.zeros((0, *input_shape))
+    loss.per_example(model(x), torch.zeros(0, dtype=torch.long)).sum().backward()
+
+
+def capture_released(dp_optimizer):
+    """A list that receives, at every private step, the gradients the inner optimizer is given (noisy, / b)."""
+    released = []
+    dp_optimizer.original_optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: released.append(
+            {id(p): p.grad.detach().clone() for g in opt.param_groups for p in g["params"]}))
+    return released
+
+
+def per_example_grads(model, loss, x, y):
+    """True per-example gradients from autograd, one example at a time: a list over ``model.parameters()``
+    of tensors of shape ``(batch, *param.shape)``."""
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(loss.per_example(model(x[i : i + 1]), y[i : i + 1]).sum(), params)
+            for i in range(x.shape[0])]
+    return [torch.stack([row[j] for row in rows]) for j in range(len(params))]

@@ -23,6 +23,7 @@ from clipless.calibration import BudgetExhaustedError, plan_noise
 from clipless.cli import main as cli_main
 from clipless.randomness import secret_generator
 from clipless.sampling import SAMPLING_BITS, poisson_threshold, realised_sample_rate
+from helpers import capture_released, empty_batch_backward
 
 SHAPE = (1, 4, 4)
 TIMES = ("wall_time_s", "epoch_time_s")
@@ -337,11 +338,12 @@ def test_noise_drawn_per_parameter_is_the_plan():
         layer_noise_multipliers={"2": 1.0, "4": 3.0})
     plan = opt.plan
     draws = {name: [] for name in plan.layer_sigmas}
+    released = capture_released(opt)
     for _ in range(300):
-        opt.zero_grad()
+        empty_batch_backward(model, cl.TauCrossEntropy(), SHAPE)
         opt.step()
         for layer in opt.last_report.layers:
-            draws[layer.name].append(torch.cat([p.grad.flatten() for p in layer.params]))
+            draws[layer.name].append(torch.cat([released[-1][id(p)].flatten() for p in layer.params]))
     for layer in opt.last_report.layers:
         expected = plan.layer_sigmas[layer.name] * layer.bound / 8.0
         assert torch.stack(draws[layer.name]).std().item() == pytest.approx(expected, rel=0.03)
@@ -463,9 +465,12 @@ def test_hooks_that_change_outputs_refused():
         _engine_setup(module=model)
     _, model, opt, _ = _engine_setup()
     handle = model[2].register_forward_hook(lambda m, a, out: out * 100)
+    empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
     with pytest.raises(BoundError, match="hooks"):
         opt.step()
     handle.remove()
+    opt.zero_grad()
+    empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
     opt.step()
 
 

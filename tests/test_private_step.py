@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import clipless as cl
+from helpers import capture_released, empty_batch_backward
 
 SHAPE = (1, 4, 4)
 
@@ -30,11 +31,11 @@ def small_setup(strategy="global", noise=1.0, batch_size=8.0, lr=0.0, layer_nois
 
 def test_noise_std_matches_global_sensitivity():
     model, opt, _, loss, _, _ = small_setup(noise=2.0, batch_size=8.0)
-    draws = []
+    released = capture_released(opt)
     for _ in range(200):
-        opt.zero_grad()  # no backward: the released gradient is pure noise
+        empty_batch_backward(model, loss, SHAPE)  # the released gradient is pure noise
         opt.step()
-        draws.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    draws = [torch.cat([r[id(p)].flatten() for p in model.parameters()]) for r in released]
     std = torch.stack(draws).std().item()
     # two 1-Lipschitz dense layers, X0 = 2, L = sqrt(2): g_d = 2 sqrt(2), Delta = sqrt(2) * 2 sqrt(2) = 4
     expected = 2.0 * 4.0 / 8.0
@@ -48,16 +49,18 @@ def test_per_layer_noise_and_effective_sigma():
     names = list(opt.layer_sigmas)
     assert opt.effective_noise_multiplier == pytest.approx(2.0)  # equal weights: 2 sqrt(2) each, composed to 2
     assert list(opt.layer_sigmas.values()) == pytest.approx([2.0 * math.sqrt(2)] * 2)
-    model, opt, _, _, _, _ = small_setup(strategy="per_layer", noise=2.0, layer_noise={names[0]: 1.0, names[1]: 4.0})
+    model, opt, _, loss, _, _ = small_setup(strategy="per_layer", noise=2.0,
+                                            layer_noise={names[0]: 1.0, names[1]: 4.0})
     c = 2.0 * math.sqrt(1 + 4**-2)  # sigma_d = c w_d with (sum_d sigma_d^-2)^-1/2 = 2
     assert list(opt.layer_sigmas.values()) == pytest.approx([c, 4 * c])
     assert opt.effective_noise_multiplier == pytest.approx(2.0)
     draws = {n: [] for n in names}
+    released = capture_released(opt)
     for _ in range(200):
-        opt.zero_grad()
+        empty_batch_backward(model, loss, SHAPE)
         opt.step()
         for layer in opt.last_report.layers:
-            draws[layer.name].append(torch.cat([p.grad.flatten() for p in layer.params]))
+            draws[layer.name].append(torch.cat([released[-1][id(p)].flatten() for p in layer.params]))
     for name, sigma in zip(names, (c, 4 * c)):
         expected = sigma * 2 * math.sqrt(2) / 8.0
         assert torch.stack(draws[name]).std().item() == pytest.approx(expected, rel=0.03)
@@ -69,15 +72,17 @@ def test_summed_gradient_divided_by_expected_batch_size():
     opt.zero_grad()
     loss.per_example(model(x), y).sum().backward()
     summed = [p.grad.clone() for p in model.parameters()]
-    opt.step()  # lr = 0: grads stay for inspection
+    released = capture_released(opt)
+    opt.step()
     for p, s in zip(model.parameters(), summed):
-        assert torch.allclose(p.grad, s / 8.0, atol=1e-9)
+        assert torch.allclose(released[0][id(p)], s / 8.0, atol=1e-9)
+        assert p.grad is None  # cleared after the step: the next one needs a new batch
 
 
 def test_accountant_steps_once_per_step_with_effective_sigma():
-    _, opt, _, _, engine, _ = small_setup(noise=1.3, batch_size=8.0)
+    model, opt, _, loss, engine, _ = small_setup(noise=1.3, batch_size=8.0)
     for _ in range(5):
-        opt.zero_grad()
+        empty_batch_backward(model, loss, SHAPE)
         opt.step()
     assert engine.accountant.history == [(1.3, 8.0 / 64, 5)]
 
@@ -100,11 +105,12 @@ def test_empty_batch_is_a_full_private_step():
     assert x.shape == (0,) + SHAPE and y.shape == (0,)
     opt.zero_grad()
     loss.per_example(model(x), y).sum().backward()
+    released = capture_released(opt)
     opt.step()
     assert engine.accountant.steps == 1
     # SGD with lr 0 keeps weights; noise was still drawn and released
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(before, model.parameters()))
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert all(released[0][id(p)].abs().sum() > 0 for p in model.parameters())
 
 
 def test_projection_after_step_keeps_layers_1_lipschitz():

@@ -192,11 +192,10 @@ def global_hooks_registered() -> bool:
 
 
 def module_hooks(module: nn.Module) -> List[Any]:
-    """The module's own forward/backward hooks, except input guards (which only refuse inputs)."""
-    hooks = list(module._forward_hooks.values()) + list(module._backward_hooks.values())
-    hooks += list(getattr(module, "_backward_pre_hooks", {}).values())
-    hooks += [h for h in module._forward_pre_hooks.values() if not getattr(h, "is_input_guard", False)]
-    return hooks
+    """The module's own forward/backward hooks, except the private step's guards (which only refuse)."""
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    hooks += list(module._backward_hooks.values()) + list(getattr(module, "_backward_pre_hooks", {}).values())
+    return [h for h in hooks if not getattr(h, "is_clipless_guard", False)]
 
 
 def _check_forward_matches_bounds(cls: type, name: str) -> None:
@@ -252,6 +251,11 @@ class BoundEngine:
         check = getattr(self.loss, "check_output_shape", None)
         if check is not None:
             check(self.output_shape)
+
+    @property
+    def leaves(self) -> Tuple[nn.Module, ...]:
+        """The layers the bounds are computed for, in forward order."""
+        return tuple(self._leaves)
 
     @property
     def loss_lipschitz(self) -> float:

@@ -13,7 +13,8 @@ from .bounds import BoundEngine, BoundError
 from .calibration import plan_noise, planned_steps
 from .layers import InputNormClip, adaptive_clips
 from .losses import LipschitzLoss
-from .optimizer import DPOptimizer, InputGuard
+from .guard import InputGuard
+from .optimizer import DPOptimizer
 from .sampling import poisson_data_loader, poisson_threshold
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf"]

@@ -8,6 +8,7 @@ applies ``reduction`` for reporting.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from typing import Tuple
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .bounds import BoundError, DeclaredConstants
+from .guard import tap_loss
 
 __all__ = [
     "LipschitzLoss",
@@ -39,6 +41,18 @@ class LipschitzLoss(DeclaredConstants, nn.Module):
 
     lipschitz: float
     constants: Tuple[str, ...] = ("lipschitz", "reduction")
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        # Every per_example, including a user subclass's, is watched by the private step's guard (clipless.guard).
+        super().__init_subclass__(**kwargs)
+        impl = cls.__dict__.get("per_example")
+        if impl is not None and not getattr(impl, "_tapped", False):
+            @functools.wraps(impl)
+            def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                return tap_loss(self, logits, lambda z: impl(self, z, target))
+
+            per_example._tapped = True  # type: ignore[attr-defined]
+            cls.per_example = per_example  # type: ignore[method-assign]
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__()

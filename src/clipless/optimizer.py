@@ -1,9 +1,11 @@
 """``DPOptimizer``: wraps any ``torch.optim`` optimizer into a clipless private step (SPEC §3.2).
 
-``step()`` = bound engine -> Gaussian noise on the summed gradient -> divide by
-the expected batch size -> inner step -> projection -> accountant step.
-The gradients it receives must be the gradient of the **sum** of per-example
-losses of one Poisson batch (``LipschitzLoss.per_example(...).sum()``).
+``step()`` = step guard -> bound engine -> Gaussian noise on the summed gradient
+-> divide by the expected batch size -> inner step -> projection -> accountant
+step -> gradients cleared.  The gradients it receives must be the gradient of
+the **sum** of per-example losses of one Poisson batch
+(``LipschitzLoss.per_example(...).sum()``); the step guard
+(:class:`~clipless.guard.StepGuard`) refuses a step whose gradients are not.
 """
 
 from __future__ import annotations
@@ -16,67 +18,12 @@ from torch import nn
 from .accounting import PrivacyAccountant
 from .bounds import BoundEngine, BoundError, BoundReport
 from .calibration import BudgetExhaustedError, NoisePlan
+from .guard import StepGuard
 from .layers import adaptive_clips
 from .noise import add_noise_
 from .randomness import secret_generator
 
-__all__ = ["DPOptimizer", "InputGuard"]
-
-
-def _largest_norm(x: torch.Tensor, bound: float) -> float:
-    """Largest per-example L2 norm, exact enough to compare with ``bound``.
-
-    Computed in the input's dtype first: a float32 norm of ``n`` entries has relative error below
-    ``gamma_n = n u / (1 - n u)`` (``u = 2^-24``, Higham's bound for the sum of squares, halved by the root
-    and doubled for safety), so if even ``norm (1 + gamma_n)`` is below the bound, no example exceeds it.
-    Otherwise (or for long rows) it is recomputed in float64.
-    """
-    flat = x.flatten(1)
-    if flat.dtype == torch.float32:
-        nu = flat.shape[1] * 2.0**-24
-        if nu < 0.01:
-            approx = torch.linalg.vector_norm(flat, dim=1).max().item()
-            if approx * (1 + 2 * nu / (1 - nu)) <= bound:
-                return approx
-    return torch.linalg.vector_norm(flat.double(), dim=1).max().item()
-
-
-class InputGuard:
-    """Forward pre-hook that refuses inputs the privacy analysis does not cover.
-
-    Wrong per-example shape or NaN/inf values always raise.  A norm above the declared data bound
-    raises on every forward whose output can reach a private step: in training mode, and whenever
-    autograd records the forward (an ``eval()``-mode forward with gradients can still be backpropagated
-    and released).  Only no-grad evaluation in ``eval()`` mode is left unchecked.
-    """
-
-    is_input_guard = True  # the one hook the bound engine accepts on a private model: it only refuses inputs
-
-    def __init__(self, model: nn.Module, input_shape: Sequence[int], data_bound: Optional[float]) -> None:
-        self.input_shape = tuple(input_shape)
-        self.data_bound = data_bound
-        self.handle = model.register_forward_pre_hook(self)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if not args or not isinstance(args[0], torch.Tensor):
-            raise BoundError("the private model takes one tensor input")
-        x = args[0]
-        if tuple(x.shape[1:]) != self.input_shape:
-            raise BoundError(f"input of per-example shape {tuple(x.shape[1:])}, expected {self.input_shape}")
-        # A finite sum implies finite entries (NaN and inf propagate); only a non-finite sum needs the full check.
-        if x.is_floating_point() and not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
-            raise BoundError("input contains NaN or infinite values")
-        checked = module.training or torch.is_grad_enabled()
-        if checked and self.data_bound is not None and x.shape[0] > 0:
-            largest = _largest_norm(x, self.data_bound)
-            if largest > self.data_bound * (1 + 1e-6):
-                raise BoundError(
-                    f"an input has norm {largest:.6g} > declared input_bound {self.data_bound:.6g}: the "
-                    "sensitivity would be wrong; clip the data (InputNormClip) or raise input_bound"
-                )
-
-    def remove(self) -> None:
-        self.handle.remove()
+__all__ = ["DPOptimizer"]
 
 
 class DPOptimizer:
@@ -121,6 +68,9 @@ class DPOptimizer:
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
+        self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
+                               [p for layer in report.layers for p in layer.params],
+                               bound_engine.loss, lambda: bound_engine.loss_lipschitz)
 
     # Read-only views of the plan (one meaning each, see clipless.calibration).
     @property
@@ -153,6 +103,7 @@ class DPOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.guard.clear_gradient_state()
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         max_steps = self.plan.max_steps
@@ -165,6 +116,8 @@ class DPOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._check_covered()
+        params = [p for group in self.original_optimizer.param_groups for p in group["params"]]
+        self.guard.check_step(params)
         report = self.bound_engine.compute()
         self.last_report = report
         self.last_noise_std = add_noise_(
@@ -175,6 +128,7 @@ class DPOptimizer:
         for clip in self.adaptive_clips:  # after the step: its noise used the C of this batch's backward
             clip.update_(self.expected_batch_size, self.generator)
         self.accountant.step(self.plan.step_sigma, self.sample_rate)
+        self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
         return loss
 
     def state_dict(self) -> Dict[str, Any]:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .bounds import BoundError, BoundReport
+from .guard import paused_guards
 from .layers import adaptive_clips
 from .losses import LipschitzLoss
 
@@ -74,6 +75,7 @@ class TightnessMonitor:
     ) -> Dict[str, float]:
         """Ratios of this check; raises :class:`BoundError` if any exceeds ``1 + tol``."""
         with contextlib.ExitStack() as stack:
+            stack.enter_context(paused_guards(model))  # diagnostic passes, not part of the step
             for clip in adaptive_clips(model):  # these backward passes are not part of the step
                 stack.enter_context(clip.counting_paused())
             ratios = tightness(model, loss, x[: self.sample], y[: self.sample], report)
