@@ -12,10 +12,11 @@ import clipless as cl
 from clipless.cli import main
 
 
-def digits_trainer(epochs=4, seed=0, **kw):
-    """``seed`` fixes the noise and batches (None: OS entropy); the initialization is always seed 0."""
+def digits_trainer(epochs=4, seed=0, data_seed=0, **kw):
+    """``seed`` fixes the noise and batches (None: OS entropy); the initialization is always seed 0;
+    ``data_seed`` makes the train/test split."""
     torch.manual_seed(0)
-    data = cl.load_digits(seed=0)
+    data = cl.load_digits(seed=data_seed)
     model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(64, 64))
     args = dict(input_shape=data.input_shape, batch_size=256, delta=1e-5, epochs=epochs, target_epsilon=3.0,
                 input_bound=8.0, noise_seed=seed, test_data=data.test, progress=False, log=None)
@@ -112,3 +113,50 @@ def test_resume_of_a_secret_run_is_bit_identical(tmp_path):
     resumed.fit()
     for a, b in zip(run.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def _cli_run(out, *extra):
+    return main(["train", "--epochs", "2", "--batch-size", "256", "--hidden", "16", "--epsilon", "2", "--no-progress",
+                 "--accountant", "rdp", "--output-dir", str(out), *extra])
+
+
+def test_readme_resume_command_restores_the_run_configuration(tmp_path, capsys):
+    """`clipless train --output-dir DIR --resume` (the README's command) resumes the run as it was made."""
+    out = tmp_path / "run"
+    assert _cli_run(out) == 0
+    first = json.loads((out / "result.json").read_text())
+    assert main(["train", "--output-dir", str(out), "--resume", "--no-progress"]) == 0
+    again = json.loads((out / "result.json").read_text())
+    assert again["steps"] == first["steps"] and again["epsilon"] == pytest.approx(first["epsilon"])
+    for key in ("batch_size", "hidden", "epsilon", "accountant", "epochs"):
+        assert again["config"][key] == first["config"][key]
+    assert "resume: settings of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, key", [("--epsilon", "1", "epsilon"), ("--seed", "3", "seed"),
+                                              ("--accountant", "pld", "accountant"), ("--batch-size", "128",
+                                                                                      "batch_size")])
+def test_resume_refuses_a_privacy_or_data_split_change(tmp_path, flag, value, key):
+    out = tmp_path / "run"
+    assert _cli_run(out) == 0
+    before = (out / "result.json").read_bytes(), (out / "checkpoint.pt").read_bytes()
+    with pytest.raises(SystemExit, match=rf"other settings \({key}=.* -> .*\).*start a new run"):
+        _cli_run(out, flag, value, "--resume")
+    assert ((out / "result.json").read_bytes(), (out / "checkpoint.pt").read_bytes()) == before  # nothing lost
+
+
+def test_resume_applies_a_harmless_setting_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli_run(out, "--epochs", "1") == 0
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), "--resume", "--lr", "0.005", "--no-progress"]) == 0
+    assert "applied lr=0.005 (was 0.01)" in capsys.readouterr().err
+    assert json.loads((out / "result.json").read_text())["config"]["lr"] == 0.005
+
+
+def test_api_resume_on_another_split_refused(tmp_path):
+    trainer = digits_trainer(epochs=1, seed=0)
+    trainer.fit()
+    trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="train_data=.*same records and train/test split"):
+        digits_trainer(epochs=1, seed=0, data_seed=1).load_checkpoint(tmp_path / "ckpt.pt")

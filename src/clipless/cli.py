@@ -150,9 +150,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a resumed run may change: nothing here touches the privacy analysis, the model or the data.
+RESUME_APPLICABLE = ("lr", "progress", "log_train_stats", "data_dir", "output_dir", "resume")
+
+
 def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
-    """Defaults <- YAML config <- command-line flags."""
+    """Defaults <- YAML config <- command-line flags; on ``--resume``, the checkpoint's run configuration
+    with only the settings of :data:`RESUME_APPLICABLE` taken from the command."""
     config = dict(DEFAULTS)
+    explicit = set()
     if args.config:
         import yaml
 
@@ -162,10 +168,44 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
         if unknown:
             raise SystemExit(f"unknown keys in {args.config}: {sorted(unknown)}")
         config.update({k.replace("-", "_"): v for k, v in loaded.items()})
+        explicit |= {k.replace("-", "_") for k in loaded}
     for key, value in vars(args).items():
         if key in DEFAULTS and value is not None:
             config[key] = value
+            explicit.add(key)
+    if config["resume"]:
+        config = _resumed_config(config, explicit)
     return config
+
+
+def _resumed_config(config: Dict[str, Any], explicit: set) -> Dict[str, Any]:
+    """The run configuration stored in the checkpoint; refuses any other change than :data:`RESUME_APPLICABLE`."""
+    from .trainer import PrivateTrainer
+
+    if config["method"] != "clipless":
+        raise SystemExit(f"--resume: --method {config['method']} keeps no checkpoint; only clipless runs resume")
+    ckpt = Path(config["output_dir"]) / "checkpoint.pt"
+    if not ckpt.exists():
+        raise SystemExit(f"--resume: no checkpoint at {ckpt}")
+    saved = PrivateTrainer.read_run_config(ckpt)
+    if saved is None:
+        raise SystemExit(f"--resume: {ckpt} does not record its run configuration (written by an older version or "
+                         "the Python API); resume it with PrivateTrainer.load_checkpoint and the same settings")
+    changed = sorted(k for k in explicit - set(RESUME_APPLICABLE) if k in saved and saved[k] != config[k])
+    if changed:
+        detail = ", ".join(f"{k}={saved[k]!r} -> {config[k]!r}" for k in changed)
+        raise SystemExit(f"--resume: the run in {ckpt} was made with other settings ({detail}); a resumed run keeps "
+                         "its privacy, model and data settings: drop these options, or start a new run in another "
+                         "--output-dir")
+    resumed = {**DEFAULTS, **saved}
+    applied = []
+    for key in RESUME_APPLICABLE:
+        if key in explicit and resumed.get(key) != config[key]:
+            if key not in ("resume", "output_dir"):
+                applied.append(f"{key}={config[key]!r} (was {resumed.get(key)!r})")
+        resumed[key] = config[key]
+    print(f"resume: settings of {ckpt}" + (f"; applied {', '.join(applied)}" if applied else ""), file=sys.stderr)
+    return resumed
 
 
 def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -239,11 +279,11 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         checkpoint_path=out_dir / "checkpoint.pt",
         log_train_stats=bool(config["log_train_stats"]),
     )
+    trainer.run_config = {k: v for k, v in config.items() if k != "resume"}
     if config["resume"]:
-        ckpt = out_dir / "checkpoint.pt"
-        if not ckpt.exists():
-            raise SystemExit(f"--resume: no checkpoint at {ckpt}")
-        trainer.load_checkpoint(ckpt)
+        trainer.load_checkpoint(out_dir / "checkpoint.pt")
+        for group in trainer.optimizer.param_groups:  # the checkpoint's optimizer state restored the old one
+            group["lr"] = config["lr"]
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": config, "sampling": "poisson (add/remove neighbours)"})
     return _write_result(out_dir, result)

@@ -8,6 +8,7 @@ bound computed from the training data is a privacy leak).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,15 @@ class ArrayDataset(Dataset):
 
     def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.features[index], self.labels[index]
+
+    def fingerprint(self) -> str:
+        """A digest of the records (features, labels, order): a resume on other data or another split is refused."""
+        digest = hashlib.blake2b(digest_size=16)
+        for tensor in (self.features, self.labels):
+            t = tensor.detach().cpu().contiguous()
+            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return digest.hexdigest()
 
     def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """A whole batch in one indexing operation (used by the Poisson loader)."""

@@ -189,10 +189,13 @@ class PrivateTrainer:
             raise ValueError("average_decay must be in (0, 1)")
         self.average_decay = average_decay
         self.tightness_monitor = tightness_monitor
+        # A deep copy leaves the guards behind (clipless.guard): the average is never stepped by the optimizer.
         self.averaged_model: Optional[nn.Module] = copy.deepcopy(self.model) if average_decay else None
-        if self.averaged_model is not None:
-            self.averaged_model._forward_pre_hooks.clear()  # the input guard belongs to the trained model
         self._wall = 0.0
+        self._data_fingerprints = tuple(getattr(d, "fingerprint", lambda: None)() if d is not None else None
+                                        for d in (train_data, test_data))
+        # What made the run (e.g. the CLI's resolved flags): kept in the checkpoint so a resume can restore it.
+        self.run_config: Optional[Dict[str, Any]] = None
 
     @torch.no_grad()
     def _update_average(self) -> None:
@@ -313,6 +316,9 @@ class PrivateTrainer:
             "effective_noise_multiplier": plan.step_sigma,
             "max_steps": plan.max_steps,
             "randomness": randomness_label(self.noise_seed)["randomness"],
+            # the same records and split: a test accuracy measured on training records would be wrong
+            "train_data": self._data_fingerprints[0],
+            "test_data": self._data_fingerprints[1],
         }
 
     def save_checkpoint(self, path: Union[str, Path]) -> None:
@@ -330,10 +336,17 @@ class PrivateTrainer:
             "history": self.history,
             "wall_time_s": self._wall,
             "config": self._config(),
+            "run_config": self.run_config,
         }
         tmp = path.with_suffix(path.suffix + ".tmp")
         torch.save(state, tmp)
         tmp.replace(path)
+
+    @staticmethod
+    def read_run_config(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
+        """The ``run_config`` a checkpoint was saved with (None if the run recorded none)."""
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        return state.get("run_config") if isinstance(state, dict) else None
 
     def load_checkpoint(self, path: Union[str, Path]) -> None:
         """Resume; refuses a checkpoint without accountant state or with another privacy configuration."""
@@ -352,13 +365,15 @@ class PrivateTrainer:
                 f"{self.accountant.mechanism!r}: its budget would be planned with one and spent with the other; "
                 f"resume with accountant={mechanism!r}")
         for key in ("accountant", "sample_rate", "delta", "target_epsilon", "strategy", "effective_noise_multiplier",
-                    "layer_sigmas", "max_steps", "randomness"):
+                    "layer_sigmas", "max_steps", "randomness", "train_data", "test_data"):
             if key not in saved:
                 raise ValueError(f"checkpoint {path} does not record {key!r}: it was written by an older version; "
                                  "restart training")
             if saved[key] != current[key]:
+                what = ("the same records and train/test split (dataset, data files, --seed)" if key.endswith("_data")
+                        else "the same privacy configuration")
                 raise ValueError(f"checkpoint {path} has {key}={saved[key]!r} but this run has {current[key]!r}: "
-                                 "resume with the same privacy configuration")
+                                 f"resume with {what}")
         self.model.load_state_dict(state["model"])
         if self.averaged_model is not None:
             if state.get("averaged_model") is None:
