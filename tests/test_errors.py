@@ -8,6 +8,7 @@ from torch import nn
 
 import clipless as cl
 from clipless.bounds import BoundEngine, BoundError
+from clipless.checkpoint import load_checkpoint, save_checkpoint
 
 SHAPE = (1, 4, 4)
 
@@ -112,9 +113,9 @@ def test_resume_without_accountant_state_refused(data, tmp_path):
     trainer.fit()
     path = tmp_path / "ckpt.pt"
     trainer.save_checkpoint(path)
-    state = torch.load(path, weights_only=False)
+    state = load_checkpoint(path)
     del state["accountant"]
-    torch.save(state, path)
+    save_checkpoint(state, path)
     fresh = trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data)
     with pytest.raises(ValueError, match="no accountant state"):
         fresh.load_checkpoint(path)

@@ -12,6 +12,7 @@ from torch import nn
 
 from clipless.accounting import compute_epsilon
 from clipless.baselines import standard_cnn
+from clipless.checkpoint import load_checkpoint, save_checkpoint
 from clipless.cli import main as cli_main
 from clipless.data import load_digits
 from clipless.logit_dp import (
@@ -287,9 +288,9 @@ def test_checkpoint_keeps_accountant(tmp_path) -> None:
     resumed.load_checkpoint(tmp_path / "c.pt")
     assert resumed.accountant.steps == t.accountant.steps and resumed.epoch == 1
     assert resumed.fit().epsilon == pytest.approx(_trainer("logit_dp", epochs=2).fit().epsilon)
-    state = torch.load(tmp_path / "c.pt", weights_only=False)
+    state = load_checkpoint(tmp_path / "c.pt")
     state["accountant"] = None
-    torch.save(state, tmp_path / "bad.pt")
+    save_checkpoint(state, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="accountant"):
         _trainer("logit_dp").load_checkpoint(tmp_path / "bad.pt")
 

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .accounting import PrivacyAccountant, check_delta
 from .calibration import BudgetExhaustedError, plan_noise, planned_steps
+from .checkpoint import load_checkpoint, save_checkpoint
 from .logit_dp import (
     LOSS_FUNCTIONS,
     logit_dp_gradient,
@@ -244,8 +245,8 @@ class ContrastivePretrainer:
                 "randomness": randomness_label(self.noise_seed)["randomness"]}
 
     def save_checkpoint(self, path: Union[str, Path]) -> None:
-        """Encoder, optimizer, progress, RNG states, augmentation state and the accountant's history, written
-        atomically (a temporary file renamed over the old one)."""
+        """Encoder, optimizer, progress, RNG states, augmentation state and the accountant's history (atomic,
+        checksummed: :mod:`clipless.checkpoint`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
@@ -256,13 +257,11 @@ class ContrastivePretrainer:
             "sampling_rng": self.loader.batch_sampler.generator.get_state(),  # type: ignore[union-attr]
             "pairs": self.pairs.state_dict() if hasattr(self.pairs, "state_dict") else None,
         }
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
+        save_checkpoint(state, path)
 
     def load_checkpoint(self, path: Union[str, Path]) -> None:
         """Resume; refuses a checkpoint without accountant state or with another privacy configuration."""
-        state = torch.load(path, weights_only=False)
+        state = load_checkpoint(path)
         if self.accountant is not None and not state.get("accountant"):
             raise ValueError(f"checkpoint {path} has no accountant state: its privacy cost cannot be resumed")
         saved = state.get("config") or {}

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .accounting import check_delta
 from .bounds import BoundedModule
+from .checkpoint import load_checkpoint, save_checkpoint
 from .engine import PrivacyEngine
 from .losses import LipschitzLoss
 from .randomness import make_generator, randomness_label
@@ -322,7 +323,8 @@ class PrivateTrainer:
         }
 
     def save_checkpoint(self, path: Union[str, Path]) -> None:
-        """Model, optimizer, accountant, generators and progress: everything a resume needs."""
+        """Model, optimizer, accountant, generators and progress: everything a resume needs (atomic, checksummed:
+        :mod:`clipless.checkpoint`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
@@ -338,20 +340,17 @@ class PrivateTrainer:
             "config": self._config(),
             "run_config": self.run_config,
         }
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
+        save_checkpoint(state, path)
 
     @staticmethod
     def read_run_config(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
         """The ``run_config`` a checkpoint was saved with (None if the run recorded none)."""
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        return state.get("run_config") if isinstance(state, dict) else None
+        return load_checkpoint(path).get("run_config")
 
     def load_checkpoint(self, path: Union[str, Path]) -> None:
         """Resume; refuses a checkpoint without accountant state or with another privacy configuration."""
-        state = torch.load(path, map_location=self.device, weights_only=False)
-        accountant_state = state.get("accountant") if isinstance(state, dict) else None
+        state = load_checkpoint(path, map_location=self.device)
+        accountant_state = state.get("accountant")
         if not accountant_state or (not accountant_state.get("history") and state.get("steps", 0) > 0):
             raise ValueError(
                 f"checkpoint {path} has no accountant state: resuming would under-report epsilon; "

@@ -1,0 +1,74 @@
+"""Files that must never be lost or half-written: checkpoints (with a checksum) and results.
+
+Every write goes to a temporary file in the same directory, is flushed to disk, and is renamed
+over the old file (atomic on POSIX): a kill or a full disk leaves the previous file intact and no
+temporary behind.  A checkpoint is ``MAGIC + sha256(payload) + "\\n" + payload`` with ``payload``
+the ``torch.save`` bytes, so a truncated, emptied or corrupted checkpoint is refused when read
+instead of loading wrong optimizer or accountant state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Any, Dict, Union
+
+import torch
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "write_atomically"]
+
+MAGIC = b"clipless checkpoint v1\n"
+_DIGEST_LEN = 64  # hex sha256
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or result file that cannot be written or read back intact."""
+
+
+def write_atomically(path: Union[str, Path], data: bytes) -> None:
+    """Replace ``path`` by ``data`` all at once, or leave it as it was (and no temporary file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise CheckpointError(f"could not write {path}: {err.strerror or err}; the previous file (if any) is "
+                                  "intact") from err
+        raise
+
+
+def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
+    """Write ``state`` with its checksum, atomically."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    write_atomically(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+
+
+def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> Dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`; refuses a damaged one with a clear message."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {err.strerror or err}") from err
+    head = len(MAGIC) + _DIGEST_LEN + 1
+    if not raw.startswith(MAGIC) or len(raw) < head:
+        raise CheckpointError(f"{path} is not a clipless checkpoint (empty, truncated, written by another program or "
+                              "by an older version): resume from an intact checkpoint or restart training")
+    digest, payload = raw[len(MAGIC) : head - 1], raw[head:]
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise CheckpointError(f"checkpoint {path} is damaged (its checksum does not match: truncated or corrupted); "
+                              "resume from an intact copy or restart training")
+    state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=False)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} does not hold a training state")
+    return state
