@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
@@ -186,8 +187,11 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplit:
 def read_idx(path: Union[str, Path]) -> np.ndarray:
     """Read an IDX file (optionally gzip-compressed), as used by MNIST."""
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as fh:  # type: ignore[operator]
-        raw = fh.read()
+    try:
+        with opener(path, "rb") as fh:  # type: ignore[operator]
+            raw = fh.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        raise ValueError(f"{path} is damaged ({err}); download it again") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise ValueError(f"{path} is not an IDX file")
     dtype_code, ndim = raw[2], raw[3]
@@ -211,13 +215,23 @@ def _find(directory: Path, stem: str) -> Path:
 def load_mnist(data_dir: Union[str, Path]) -> DataSplit:
     """MNIST from the four original IDX files in ``data_dir``; pixels in [0, 1], shape (1, 28, 28)."""
     d = Path(data_dir)
-    if not d.is_dir():
+    if not d.exists():
         raise FileNotFoundError(f"MNIST directory {d} does not exist")
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d} is a file; give the directory that holds the four MNIST IDX files")
     parts = []
     for prefix in ("train", "t10k"):
-        images = read_idx(_find(d, f"{prefix}-images-idx3-ubyte")).astype(np.float32) / 255.0
-        labels = read_idx(_find(d, f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
-        parts.append(_to_dataset(images, labels, (1, 28, 28)))
+        image_file, label_file = _find(d, f"{prefix}-images-idx3-ubyte"), _find(d, f"{prefix}-labels-idx1-ubyte")
+        images, labels = read_idx(image_file), read_idx(label_file)
+        if images.ndim != 3 or images.shape[1:] != (28, 28):
+            raise ValueError(f"{image_file} holds images of shape {images.shape[1:]}, not 28 x 28: not MNIST")
+        if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
+            raise ValueError(f"{label_file} holds {labels.shape} labels for {images.shape[0]} images in {image_file}")
+        if labels.size and (labels.min() < 0 or labels.max() > 9):
+            raise ValueError(f"{label_file} holds labels outside 0-9 (e.g. {int(labels.max())}): the file is damaged "
+                             "or not MNIST's")
+        images = images.astype(np.float32) / 255.0
+        parts.append(_to_dataset(images, labels.astype(np.int64), (1, 28, 28)))
     return DataSplit(parts[0], parts[1], "mnist")
 
 
@@ -249,12 +263,22 @@ def load_tabular(
         x = np.delete(table, col % table.shape[1], axis=1)
     else:
         raise ValueError(f"unsupported tabular file {p} (use .npz with X, y or .csv)")
-    check_finite(x, f"features of {p.name}")
+    if x.ndim != 2:
+        raise ValueError(f"X of {p.name} must be 2-D (records x features), got shape {x.shape}")
     y = np.asarray(y)
+    if y.shape != (x.shape[0],):
+        raise ValueError(f"y of {p.name} must hold one label per record ({x.shape[0]}), got shape {y.shape}")
+    check_finite(x, f"features of {p.name}")
     if y.dtype.kind == "f":
         if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
             raise ValueError(f"labels of {p.name} must be integers")
-    _, y = np.unique(y.astype(np.int64), return_inverse=True)
+    classes, y = np.unique(y.astype(np.int64), return_inverse=True)
+    if len(classes) < 2:
+        raise ValueError(f"{p.name} has a single class ({classes.tolist()}): there is nothing to classify")
+    counts = np.bincount(y)
+    if counts.min() < 2:
+        raise ValueError(f"class {classes[counts.argmin()]} of {p.name} has a single record: a stratified train/test "
+                         "split needs at least two per class")
     xtr, xte, ytr, yte = _split(x.astype(np.float32), y, test_fraction, seed)
     return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), p.stem)
 

@@ -15,6 +15,7 @@ remove ``z_j``: ``Delta g = (g_j - gbar) / (n - 1)``; add ``z``: ``Delta g = (gb
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -347,8 +348,13 @@ def linearized_kl_bound(widths: Sequence[int], scheme: str, input_norm_sq: float
 
 
 def kl_to_delta(kl: float) -> float:
-    """KL privacy ``eps`` gives ``(0, sqrt(eps/2))``-DP by Pinsker's inequality."""
-    return math.sqrt(max(kl, 0.0) / 2.0)
+    """KL privacy ``eps`` gives ``(0, min(1, sqrt(eps/2)))``-DP by Pinsker's inequality; 1 is vacuous (warned)."""
+    delta = math.sqrt(max(kl, 0.0) / 2.0)
+    if delta >= 1.0:
+        warnings.warn(f"KL privacy {kl:.4g} >= 2 gives delta >= 1 by Pinsker's inequality: the bound is vacuous "
+                      "(no guarantee)", stacklevel=2)
+        return 1.0
+    return delta
 
 
 def membership_advantage_bound(kl: float) -> float:
