@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from .calibration import BudgetExhaustedError
 
 DEFAULTS: Dict[str, Any] = {
     "method": "clipless",
@@ -43,6 +46,119 @@ DEFAULTS: Dict[str, Any] = {
     "resume": False,
     "progress": True,
 }
+
+
+
+def _number(kind: type, low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = True,
+            high_open: bool = True, optional: bool = False):
+    """A checker for a real (float) or integer setting in (low, high) ('open' ends exclude the bound)."""
+    def check(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if isinstance(value, str) and kind is float:
+            try:  # PyYAML 1.1 reads 1e-5 (no dot) as a string
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and kind is int and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and isinstance(value, float)):
+            raise ValueError(f"must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        value = kind(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"must be finite, got {value!r}")
+        if low is not None and (value < low or (low_open and value == low)):
+            raise ValueError(f"must be {'>' if low_open else '>='} {low:g}, got {value!r}")
+        if high is not None and (value > high or (high_open and value == high)):
+            raise ValueError(f"must be {'<' if high_open else '<='} {high:g}, got {value!r}")
+        return value
+    return check
+
+
+def _choice(*options: str, optional: bool = False):
+    def check(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, got {value!r}")
+        return value
+    return check
+
+
+def _text(optional: bool = False):
+    def check(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"must be a non-empty string, got {value!r}")
+        return value
+    return check
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, got {value!r}")
+    return value
+
+
+def _widths(value: Any) -> List[int]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"must be a list of positive integers such as [64], got {value!r}")
+    try:
+        return [_number(int, 0)(v) for v in value]
+    except ValueError as err:
+        raise ValueError(f"each width {err}") from None
+
+
+# The type and range of every setting, for YAML files and flags alike, checked before anything runs.
+SCHEMA: Dict[str, Any] = {
+    "method": _choice("clipless", "dpsgd", "nonprivate"),
+    "max_grad_norm": _number(float, 0),
+    "dataset": _text(),
+    "data_dir": _text(optional=True),
+    "model": _choice("mlp", "cnn", "vgg", "resnet", "mixer"),
+    "hidden": _widths,
+    "channels": _widths,
+    "patch_size": _number(int, 0),
+    "features": _choice("none", "scattering"),
+    "activation": _text(),
+    "input_clip": _number(float, 0, optional=True),
+    "loss": _choice("tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"),
+    "tau": _number(float, 0),
+    "loss_grad_clip": _number(float, 0, optional=True),
+    "adaptive_clip_quantile": _number(float, 0, 1, optional=True),
+    "count_noise_multiplier": _number(float, 0, optional=True),
+    "epsilon": _number(float, 0, optional=True),
+    "delta": _number(float, 0, 1),
+    "noise_multiplier": _number(float, 0, optional=True),
+    "batch_size": _number(float, 0),
+    "epochs": _number(int, 1, low_open=False),
+    "strategy": _choice("global", "per_layer"),
+    "accountant": _choice("pld", "rdp"),
+    "optimizer": _choice("adam", "sgd"),
+    "lr": _number(float, 0),
+    "seed": _number(int),
+    "noise_seed": _number(int, optional=True),
+    "log_train_stats": _flag,
+    "output_dir": _text(),
+    "resume": _flag,
+    "progress": _flag,
+}
+assert set(SCHEMA) == set(DEFAULTS)
+
+
+def validate(config: Dict[str, Any], source: str = "") -> Dict[str, Any]:
+    """``config`` with every value checked against :data:`SCHEMA` (numbers normalised); SystemExit names the
+    first bad setting."""
+    checked = {}
+    for key, value in config.items():
+        try:
+            checked[key] = SCHEMA[key](value)
+        except ValueError as err:
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(f"{flag}{source}: {err}") from None
+    return checked
+
 
 SEED_HELP = ("public seed of the initialization and the train/test split (-1: random); never used for the "
              "noise or the batches")
@@ -160,21 +276,44 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
     config = dict(DEFAULTS)
     explicit = set()
     if args.config:
-        import yaml
-
-        with open(args.config) as fh:
-            loaded = yaml.safe_load(fh) or {}
-        unknown = set(loaded) - set(DEFAULTS)
-        if unknown:
-            raise SystemExit(f"unknown keys in {args.config}: {sorted(unknown)}")
-        config.update({k.replace("-", "_"): v for k, v in loaded.items()})
-        explicit |= {k.replace("-", "_") for k in loaded}
-    for key, value in vars(args).items():
-        if key in DEFAULTS and value is not None:
-            config[key] = value
-            explicit.add(key)
+        loaded = _read_yaml(args.config)
+        config.update(validate(loaded, f" (in {args.config})"))
+        explicit |= set(loaded)
+    flags = {key: value for key, value in vars(args).items() if key in DEFAULTS and value is not None}
+    config.update(validate(flags))
+    explicit |= set(flags)
+    config = validate(config)
+    if config["epsilon"] is None and config["noise_multiplier"] is None:
+        raise SystemExit("--epsilon: give a target epsilon or a --noise-multiplier")
     if config["resume"]:
         config = _resumed_config(config, explicit)
+    return config
+
+
+def _read_yaml(path: str) -> Dict[str, Any]:
+    """The YAML config as a dict with underscore keys; keys may be spelt as flags (``batch-size``) or not."""
+    import yaml
+
+    try:
+        with open(path) as fh:
+            loaded = yaml.safe_load(fh)
+    except OSError as err:
+        raise SystemExit(f"--config: cannot read {path}: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise SystemExit(f"--config: {path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise SystemExit(f"--config: {path} must be a mapping of settings (key: value), got {type(loaded).__name__}")
+    config: Dict[str, Any] = {}
+    for key, value in loaded.items():
+        name = str(key).replace("-", "_")
+        if name not in DEFAULTS:
+            raise SystemExit(f"--config: unknown key {key!r} in {path}; the keys are the option names of "
+                             "'clipless train --help' (batch-size or batch_size)")
+        if name in config:
+            raise SystemExit(f"--config: {path} sets {name.replace('_', '-')} twice")
+        config[name] = value
     return config
 
 
@@ -284,16 +423,32 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         trainer.load_checkpoint(out_dir / "checkpoint.pt")
         for group in trainer.optimizer.param_groups:  # the checkpoint's optimizer state restored the old one
             group["lr"] = config["lr"]
+    prepare_output_dir(out_dir)
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": config, "sampling": "poisson (add/remove neighbours)"})
     return _write_result(out_dir, result)
 
 
 def _write_result(out_dir: Path, result: Dict[str, Any]) -> Dict[str, Any]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "result.json", "w") as fh:
-        json.dump(result, fh, indent=2, default=str)
+    from .checkpoint import write_atomically
+
+    write_atomically(out_dir / "result.json", json.dumps(result, indent=2, default=str).encode())
     return result
+
+
+def prepare_output_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` and prove it writable, before any training (nothing is left behind by the check)."""
+    import tempfile
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"--output-dir: {out_dir} is a file, not a directory; choose another --output-dir")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as err:
+        raise SystemExit(f"--output-dir: {out_dir} is not writable ({err.strerror or err}); choose another "
+                         "--output-dir") from None
 
 
 def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict[str, Any]:
@@ -359,11 +514,15 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         if not ckpt.exists():
             raise SystemExit(f"--resume: no checkpoint at {ckpt}")
         trainer.load_checkpoint(ckpt)
+    prepare_output_dir(out_dir)
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
                    **evaluate_encoder(encoder, data.test)})
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(encoder.state_dict(), out_dir / "encoder.pt")
+    from .checkpoint import write_atomically
+
+    buffer = io.BytesIO()
+    torch.save(encoder.state_dict(), buffer)
+    write_atomically(out_dir / "encoder.pt", buffer.getvalue())
     return _write_result(out_dir, result)
 
 
@@ -375,6 +534,14 @@ def _privacy_status(result: Dict[str, Any]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError, BudgetExhaustedError) as err:
+        # the library's refusals (bad data, settings, files): one line naming the problem and the fix
+        raise SystemExit(f"clipless {args.command}: {' '.join(str(err).split())}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         config = resolve_config(args)
         result = run_train(config)

@@ -1,0 +1,245 @@
+"""Every bad input gets a one-line error naming the setting or file and the fix; nothing written is lost.
+
+Each case goes through the CLI's ``main`` as a user would type it.
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import os
+import re
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from clipless import kl_privacy as klp
+from clipless.cli import main
+
+FAST = ["--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant", "rdp"]
+
+
+def _refused(argv, match):
+    """``main(argv)`` exits with one line matching ``match``."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    message = str(info.value.code)
+    assert "\n" not in message and len(message) < 400, message
+    assert re.search(match, message), message
+    return message
+
+
+def _train(out, *extra):
+    assert main(["train", *FAST, "--output-dir", str(out), *extra]) == 0
+    return json.loads((out / "result.json").read_text())
+
+
+# -- settings --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, match", [
+    (["--epsilon", "inf"], "--epsilon: must be finite"),
+    (["--epsilon", "nan"], "--epsilon: must be finite"),
+    (["--epsilon", "-1"], "--epsilon: must be > 0"),
+    (["--batch-size", "0"], "--batch-size: must be > 0"),
+    (["--epochs", "0"], "--epochs: must be >= 1"),
+    (["--epochs", "-3"], "--epochs: must be >= 1"),
+    (["--lr", "inf"], "--lr: must be finite"),
+    (["--hidden", "0"], "--hidden: each width must be > 0"),
+    (["--delta", "1"], "--delta: must be < 1"),
+    (["--adaptive-clip-quantile", "1.5"], "--adaptive-clip-quantile: must be < 1"),
+])
+def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
+    out = tmp_path / "run"
+    _refused(["train", "--no-progress", "--output-dir", str(out), *flags], match)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content, match", [
+    ("epsilon: three\n", r"--epsilon \(in .*\): must be a number, got 'three'"),
+    ("hidden: 64\n", r"--hidden \(in .*\): must be a list of positive integers such as \[64\]"),
+    ("progress: 'false'\n", r"--progress \(in .*\): must be true or false, got 'false'"),
+    ("seed: 1.5\n", r"--seed \(in .*\): must be an integer, got 1.5"),
+    ("epochs: 2.7\n", r"--epochs \(in .*\): must be an integer"),
+    ("bach-size: 128\n", r"unknown key 'bach-size' .* keys are the option names"),
+    ("batch-size: 128\nbatch_size: 64\n", "sets batch-size twice"),
+    ("epsilon: [3\n", "is not valid YAML"),
+    ("- 3\n", "must be a mapping"),
+])
+def test_bad_yaml_refused_with_the_key_named(tmp_path, content, match):
+    config = tmp_path / "run.yaml"
+    config.write_text(content)
+    out = tmp_path / "run"
+    _refused(["train", "--config", str(config), "--no-progress", "--output-dir", str(out)], match)
+    assert not out.exists()
+
+
+def test_yaml_flag_spelling_and_pyyaml_float_strings_accepted(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("batch-size: 256\ndelta: 1e-5\nhidden: [16]\nepochs: 1\naccountant: rdp\nlog-train-stats: true\n")
+    assert yaml.safe_load(config.read_text())["delta"] == "1e-5"  # what PyYAML gives
+    assert main(["train", "--config", str(config), "--no-progress", "--output-dir", str(tmp_path / "run")]) == 0
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["config"]["delta"] == 1e-5 and result["config"]["batch_size"] == 256
+    assert result["config"]["log_train_stats"] is True
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+def _idx(path: Path, array: np.ndarray, code: int = 0x08) -> None:
+    header = bytes([0, 0, code, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def _fake_mnist(directory: Path, labels_max: int = 9) -> Path:
+    directory.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 40), ("t10k", 20)):
+        _idx(directory / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        labels = rng.integers(0, 10, n)
+        labels[0] = labels_max
+        _idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    return directory
+
+
+def test_mnist_labels_outside_0_to_9_refused(tmp_path):
+    data = _fake_mnist(tmp_path / "mnist", labels_max=200)
+    _refused(["train", "--dataset", "mnist", "--data-dir", str(data), *FAST, "--output-dir", str(tmp_path / "o")],
+             r"train-labels-idx1-ubyte.gz holds labels outside 0-9 \(e.g. 200\)")
+
+
+def test_truncated_mnist_file_named(tmp_path):
+    data = _fake_mnist(tmp_path / "mnist")
+    target = data / "train-images-idx3-ubyte.gz"
+    target.write_bytes(target.read_bytes()[:200])
+    _refused(["train", "--dataset", "mnist", "--data-dir", str(data), *FAST, "--output-dir", str(tmp_path / "o")],
+             r"train-images-idx3-ubyte.gz is damaged .*download it again")
+
+
+def test_mnist_data_dir_that_is_a_file_named(tmp_path):
+    not_dir = tmp_path / "mnist.gz"
+    not_dir.write_bytes(b"x")
+    _refused(["train", "--dataset", "mnist", "--data-dir", str(not_dir), *FAST, "--output-dir", str(tmp_path / "o")],
+             "mnist.gz is a file; give the directory")
+
+
+def _npz(tmp_path, x, y):
+    path = tmp_path / "table.npz"
+    np.savez(path, X=x, y=y)
+    return path
+
+
+def test_single_class_dataset_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    path = _npz(tmp_path, rng.normal(size=(50, 4)), np.zeros(50))
+    out = tmp_path / "run"
+    _refused(["train", "--dataset", str(path), "--input-clip", "1", *FAST, "--output-dir", str(out)],
+             r"table.npz has a single class \(\[0\]\)")
+    assert not out.exists()
+
+
+def test_one_dimensional_tabular_features_refused(tmp_path):
+    path = _npz(tmp_path, np.arange(50.0), np.arange(50) % 2)
+    _refused(["train", "--dataset", str(path), "--input-clip", "1", *FAST, "--output-dir", str(tmp_path / "o")],
+             r"X of table.npz must be 2-D \(records x features\), got shape \(50,\)")
+
+
+def test_kl_to_delta_is_clamped_and_vacuity_said():
+    with pytest.warns(UserWarning, match="vacuous"):
+        assert klp.kl_to_delta(4.68) == 1.0  # sqrt(4.68 / 2) = 1.53 before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert klp.kl_to_delta(0.5) == pytest.approx(0.5)
+
+
+# -- files written ---------------------------------------------------------------------------------------------
+def test_output_dir_that_is_a_file_refused(tmp_path):
+    path = tmp_path / "out"
+    path.write_text("keep me")
+    _refused(["train", *FAST, "--output-dir", str(path)], "is a file, not a directory")
+    assert path.read_text() == "keep me"
+
+
+def test_unwritable_output_dir_refused_before_training(tmp_path):
+    target = Path("/sys/clipless-test-output")  # read-only even for root
+    try:
+        target.mkdir()
+        target.rmdir()
+        pytest.skip("/sys is writable here")
+    except OSError:
+        pass
+    _refused(["train", *FAST, "--output-dir", str(target)], "is not writable .*choose another --output-dir")
+
+
+def test_interrupted_result_write_keeps_the_previous_result(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _train(out, "--noise-seed", "1")
+    before = (out / "result.json").read_bytes()
+
+    def killed(obj, *args, **kwargs):  # a kill in the middle of writing the JSON document
+        fh = args[0] if args else None
+        if fh is not None:
+            fh.write('{"test_accuracy": 0.')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", killed)
+    monkeypatch.setattr(json, "dumps", lambda *a, **k: killed(None))
+    with pytest.raises(KeyboardInterrupt):
+        main(["train", *FAST, "--output-dir", str(out), "--noise-seed", "2"])
+    assert (out / "result.json").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "result.json"]
+
+
+def test_full_disk_during_checkpoint_write_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _train(out)
+    before = (out / "checkpoint.pt").read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    _refused(["train", *FAST, "--output-dir", str(out)], r"could not write .*checkpoint.pt: No space left on device; "
+             "the previous file .* is intact")
+    assert (out / "checkpoint.pt").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "result.json"]
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("truncate", "is damaged .*checksum"),
+    ("empty", "is not a clipless checkpoint"),
+    ("flip", "is damaged .*checksum"),
+])
+def test_damaged_checkpoint_refused_on_resume(tmp_path, damage, match):
+    out = tmp_path / "run"
+    _train(out, "--epochs", "2")
+    ckpt = out / "checkpoint.pt"
+    raw = bytearray(ckpt.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) * 2 // 3]
+    elif damage == "empty":
+        raw = bytearray()
+    else:
+        raw[len(raw) // 2] ^= 0x40  # one flipped bit deep inside the optimizer state
+    ckpt.write_bytes(bytes(raw))
+    result = (out / "result.json").read_bytes()
+    _refused(["train", "--output-dir", str(out), "--resume", "--no-progress"], match)
+    assert ckpt.read_bytes() == bytes(raw) and (out / "result.json").read_bytes() == result
+
+
+def test_write_atomically_cleans_up_after_any_failure(tmp_path, monkeypatch):
+    from clipless.checkpoint import CheckpointError, write_atomically
+
+    path = tmp_path / "result.json"
+    path.write_bytes(b"old")
+
+    def fail(fd):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(CheckpointError, match="Read-only file system; the previous file"):
+        write_atomically(path, b"new")
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["result.json"]
