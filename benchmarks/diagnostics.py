@@ -24,11 +24,16 @@ import torch
 from report import print_table, write_json
 
 import clipless as cl
-from clipless.certify import certified_accuracy
-from clipless.data import COLOUR_SPACES, convert_colour_space, input_norms
-from clipless.features import ScatteringFeatures
-from clipless.plots import plot_certified_accuracy, plot_gradient_norms, plot_norm_histograms, plot_tightness
-from clipless.tightness import per_example_gradient_norms
+from clipless.diagnostics.robustness import certified_accuracy
+from clipless.data.datasets import COLOUR_SPACES, convert_colour_space, input_norms
+from clipless.data.features import ScatteringFeatures
+from clipless.diagnostics.plots import (
+    plot_certified_accuracy,
+    plot_gradient_norms,
+    plot_norm_histograms,
+    plot_tightness,
+)
+from clipless.diagnostics.tightness import per_example_gradient_norms
 
 
 def sample_image_patches(size: int = 32) -> torch.Tensor:
@@ -66,7 +71,7 @@ def main() -> None:
     trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=2e-3), loss, data.train,
                                 input_shape=data.input_shape, batch_size=4096, delta=1e-5, epochs=args.epochs,
                                 target_epsilon=args.epsilon, test_data=data.test, progress=False,
-                                log=None, tightness_monitor=cl.TightnessMonitor(every=25, sample=8))
+                                log=None, tightness_monitor=cl.diagnostics.TightnessMonitor(every=25, sample=8))
     result = trainer.fit()
     print(f"trained: test accuracy {result.test_accuracy:.4f}, epsilon {result.epsilon:.3f}")
 

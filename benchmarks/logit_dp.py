@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from clipless.baselines import standard_mlp
-from clipless.data import load_mnist
-from clipless.pairs import AugmentedPairs
-from clipless.pretrain import ContrastivePretrainer, evaluate_encoder
+from clipless.train.baselines import standard_mlp
+from clipless.data.datasets import load_mnist
+from clipless.contrastive.pairs import AugmentedPairs
+from clipless.contrastive.evaluation import evaluate_encoder
+from clipless.contrastive.pretrain import ContrastivePretrainer
 
 
 def run(args: argparse.Namespace, method: str) -> dict:

@@ -6,7 +6,7 @@ Each (method, n) runs in its own process; peak memory = peak RSS minus the RSS b
 The columns ``n^2 d^2`` and ``n^2 p`` give, in MB of float32, the size of all d x d Gram blocks and of
 all n^2 parameter-sized pair gradients (what a per-pair implementation would materialize).  Logit-DP
 never builds either: it contracts the Gram blocks with the embeddings as it forms them
-(``clipless.logit_dp``), so its memory stays below the ``n^2 d^2`` column.
+(``clipless.contrastive.logit_dp``), so its memory stays below the ``n^2 d^2`` column.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ METHODS = ("logit_dp", "naive_dp", "nonprivate")
 
 
 def worker(method: str, n: int, repeats: int, hidden: list, dim: int) -> None:
-    from clipless.baselines import standard_mlp
-    from clipless.logit_dp import logit_dp_gradient, naive_dp_gradient, nonprivate_gradient
+    from clipless.train.baselines import standard_mlp
+    from clipless.contrastive.logit_dp import logit_dp_gradient, naive_dp_gradient, nonprivate_gradient
 
     torch.manual_seed(0)
     encoder = standard_mlp((1, 28, 28), dim, hidden=hidden)

@@ -2,7 +2,7 @@
 
     python benchmarks/mnist.py --data-dir ../shared/data/mnist --epsilons 1 2 --out results/mnist.json
 
-Default recipe: fixed scattering features (``clipless.features``, computed once,
+Default recipe: fixed scattering features (``clipless.data.features``, computed once,
 data-independent, on the sphere of radius 1) and a 1-Lipschitz linear head
 trained with clipless DP-SGD.  ``--features pixels`` trains on raw pixels
 instead (the earlier recipe: ``--features pixels --hidden 1024 --batch-size 16384
@@ -21,7 +21,7 @@ import time
 import torch
 
 import clipless as cl
-from clipless.features import scattering_split
+from clipless.data.features import scattering_split
 from report import print_table, write_json
 
 

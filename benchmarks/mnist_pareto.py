@@ -17,8 +17,8 @@ from argparse import Namespace
 import torch
 
 import clipless as cl
-from clipless.plots import plot_pareto
-from clipless.baselines import standard_mlp, train_dpsgd, train_nonprivate
+from clipless.diagnostics.plots import plot_pareto
+from clipless.train.baselines import standard_mlp, train_dpsgd, train_nonprivate
 from mnist import run as run_clipless
 from report import print_table, write_json
 

@@ -37,7 +37,7 @@ METHODS = ("lipschitz", "clipless", "unguarded", "standard", "opacus")
 
 
 class _NoChecks:
-    """Stands in for the step guard (clipless.guard.StepGuard) in the 'unguarded' measurement only."""
+    """Stands in for the step guard (clipless.privacy.input_guard.StepGuard) in the 'unguarded' measurement only."""
 
     def check_step(self, params) -> None:
         pass
@@ -54,7 +54,7 @@ def _build(method: str, model_name: str, batch: int, device: str):
     import torch.nn.functional as F
 
     import clipless as cl
-    from clipless.baselines import standard_cnn, standard_mlp
+    from clipless.train.baselines import standard_cnn, standard_mlp
 
     # "linear": the MNIST recipe's head on 3969 scattering features (benchmarks/mnist.py), features precomputed
     shape = (3969,) if model_name == "linear" else (1, 28, 28)

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 import clipless as cl
-from clipless.accounting import PrivacyAccountant
-from clipless.baselines import predict_scores, standard_mlp, train_dpsgd
-from clipless.data import ArrayDataset, load_tabular, signed_log1p
+from clipless.privacy.accounting import PrivacyAccountant
+from clipless.train.baselines import predict_scores, standard_mlp, train_dpsgd
+from clipless.data.datasets import ArrayDataset, load_tabular, signed_log1p
 from report import print_table, write_json
 
 DATASETS = {  # file stem: (name in the paper, delta, paper DP-SGD AUROC, paper clipless AUROC)

@@ -8,10 +8,11 @@ from typing import Callable, Dict, Sequence, Tuple
 import torch
 from torch import nn
 
-from clipless.bounds import BoundEngine, BoundReport
-from clipless.layers import LipschitzLinear
-from clipless.losses import LipschitzLoss, TauCrossEntropy
-from clipless.tightness import per_example_gradient_norms
+from clipless.privacy.bounds import BoundEngine, BoundReport
+from clipless.nn.linear import LipschitzLinear
+from clipless.nn.losses import TauCrossEntropy
+from clipless.privacy.modules import LipschitzLoss
+from clipless.diagnostics.tightness import per_example_gradient_norms
 
 TOL = 1e-5  # float32 forward/backward rounding
 

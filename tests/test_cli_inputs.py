@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from clipless import kl_privacy as klp
+from clipless.kl import noisy_gd as klp
 from clipless.cli import main
 
 FAST = ["--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant", "rdp"]
@@ -231,7 +231,7 @@ def test_damaged_checkpoint_refused_on_resume(tmp_path, damage, match):
 
 
 def test_write_atomically_cleans_up_after_any_failure(tmp_path, monkeypatch):
-    from clipless.checkpoint import CheckpointError, write_atomically
+    from clipless.train.checkpoint import CheckpointError, write_atomically
 
     path = tmp_path / "result.json"
     path.write_bytes(b"old")

@@ -1,46 +1,44 @@
 """clipless: differentially private deep learning with computed sensitivity instead of clipping.
 
-Lipschitz layers declare certified bounds, a backpropagation for bounds gives
-every layer's per-example gradient bound, Gaussian noise is calibrated to it,
-and ``dp-accounting`` tracks (epsilon, delta).  See ``SPEC.md`` for the maths.
+Lipschitz layers declare certified bounds, a backpropagation for bounds gives every layer's per-example
+gradient bound, Gaussian noise is calibrated to it, and ``dp-accounting`` tracks (epsilon, delta); see
+``docs/spec.md`` for the maths.  This namespace holds the privacy core (:mod:`clipless.privacy`), the layers
+and losses (:mod:`clipless.nn`), training (:mod:`clipless.train`) and data (:mod:`clipless.data`);
+:mod:`clipless.contrastive`, :mod:`clipless.kl` and :mod:`clipless.diagnostics` are namespaces.
 """
 
-from .accounting import (
-    PrivacyAccountant,
-    calibrate_noise_multiplier,
-    calibrate_steps,
-    compute_epsilon,
-    effective_noise_multiplier,
+import importlib
+import warnings
+from typing import Any
+
+from . import contrastive, data, diagnostics, kl, nn, privacy, train
+from .data import (
+    ArrayDataset,
+    DataSplit,
+    load_dataset,
+    load_digits,
+    load_mnist,
+    load_tabular,
 )
-from .bounds import BoundedModule, BoundEngine, BoundError, BoundReport, LayerBound
-from .data import ArrayDataset, DataSplit, load_dataset, load_digits, load_mnist, load_tabular
-from .engine import PrivacyEngine
-from .layers import (
+from .nn import (
     AdaptiveLossGradientClip,
+    BinaryCrossEntropyWithTemperature,
+    CrossEntropyWithTemperature,
     GroupSort,
     InputNormClip,
+    KCosineSimilarity,
     L2NormPool2d,
     LayerCentering,
     LipschitzConv2d,
     LipschitzLinear,
     LossGradientClip,
     MaxMin,
-    Permute,
-    Residual,
-    ScaledAvgPool2d,
-)
-from .losses import (
-    BinaryCrossEntropyWithTemperature,
-    CrossEntropyWithTemperature,
-    KCosineSimilarity,
-    LipschitzLoss,
     MulticlassHinge,
     MulticlassHKR,
     MulticlassKR,
+    Permute,
+    ScaledAvgPool2d,
     TauCrossEntropy,
-)
-from .logit_dp import logit_dp_sensitivity, naive_dp_sensitivity, pair_gradient_norms
-from .models import (
     build_loss,
     build_model,
     lipschitz_cnn,
@@ -49,32 +47,38 @@ from .models import (
     lipschitz_resnet,
     lipschitz_vgg,
 )
-from .optimizer import DPOptimizer
-from .pairs import AugmentedPairs, GivenPairs
-from .pretrain import ContrastivePretrainer, PretrainResult, knn_accuracy, linear_probe_accuracy
-from .sampling import PoissonBatchSampler, poisson_data_loader
-from .tightness import TightnessMonitor, per_example_gradient_norms, tightness
-from .trainer import PrivateTrainer, TrainResult, evaluate
+from .privacy import (
+    BoundedModule,
+    BoundEngine,
+    BoundError,
+    BoundReport,
+    BudgetExhaustedError,
+    DPOptimizer,
+    LayerBound,
+    LipschitzLoss,
+    PoissonBatchSampler,
+    PrivacyAccountant,
+    PrivacyEngine,
+    Residual,
+    calibrate_noise_multiplier,
+    calibrate_steps,
+    compute_epsilon,
+    effective_noise_multiplier,
+    poisson_data_loader,
+)
+from .train import PrivateTrainer, TrainResult, evaluate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdaptiveLossGradientClip",
     "ArrayDataset",
-    "AugmentedPairs",
-    "ContrastivePretrainer",
-    "GivenPairs",
-    "PretrainResult",
-    "knn_accuracy",
-    "linear_probe_accuracy",
-    "logit_dp_sensitivity",
-    "naive_dp_sensitivity",
-    "pair_gradient_norms",
     "BinaryCrossEntropyWithTemperature",
     "BoundEngine",
     "BoundError",
     "BoundReport",
     "BoundedModule",
+    "BudgetExhaustedError",
     "CrossEntropyWithTemperature",
     "DPOptimizer",
     "DataSplit",
@@ -89,10 +93,10 @@ __all__ = [
     "LipschitzLoss",
     "LossGradientClip",
     "MaxMin",
-    "Permute",
     "MulticlassHKR",
     "MulticlassHinge",
     "MulticlassKR",
+    "Permute",
     "PoissonBatchSampler",
     "PrivacyAccountant",
     "PrivacyEngine",
@@ -100,15 +104,18 @@ __all__ = [
     "Residual",
     "ScaledAvgPool2d",
     "TauCrossEntropy",
-    "TightnessMonitor",
     "TrainResult",
     "build_loss",
     "build_model",
     "calibrate_noise_multiplier",
     "calibrate_steps",
     "compute_epsilon",
+    "contrastive",
+    "data",
+    "diagnostics",
     "effective_noise_multiplier",
     "evaluate",
+    "kl",
     "lipschitz_cnn",
     "lipschitz_mixer",
     "lipschitz_mlp",
@@ -118,7 +125,25 @@ __all__ = [
     "load_digits",
     "load_mnist",
     "load_tabular",
-    "per_example_gradient_norms",
+    "nn",
     "poisson_data_loader",
-    "tightness",
+    "privacy",
+    "train",
 ]
+
+# Names that lived here before the namespaces (see CHANGELOG.md): kept for one release, with a warning.
+_MOVED = {
+    "AugmentedPairs": "contrastive", "ContrastivePretrainer": "contrastive", "GivenPairs": "contrastive",
+    "PretrainResult": "contrastive", "knn_accuracy": "contrastive", "linear_probe_accuracy": "contrastive",
+    "logit_dp_sensitivity": "contrastive", "naive_dp_sensitivity": "contrastive",
+    "pair_gradient_norms": "contrastive", "TightnessMonitor": "diagnostics", "per_example_gradient_norms":
+    "diagnostics", "tightness": "diagnostics",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        where = f"clipless.{_MOVED[name]}"
+        warnings.warn(f"clipless.{name} moved to {where}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), name)
+    raise AttributeError(f"module 'clipless' has no attribute {name!r}")

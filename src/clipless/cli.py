@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .calibration import BudgetExhaustedError
+from .privacy.calibration import BudgetExhaustedError
 
 DEFAULTS: Dict[str, Any] = {
     "method": "clipless",
@@ -292,7 +292,9 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
 
 def _read_yaml(path: str) -> Dict[str, Any]:
     """The YAML config as a dict with underscore keys; keys may be spelt as flags (``batch-size``) or not."""
-    import yaml
+    from .extras import require
+
+    yaml = require("yaml", "yaml")
 
     try:
         with open(path) as fh:
@@ -319,7 +321,7 @@ def _read_yaml(path: str) -> Dict[str, Any]:
 
 def _resumed_config(config: Dict[str, Any], explicit: set) -> Dict[str, Any]:
     """The run configuration stored in the checkpoint; refuses any other change than :data:`RESUME_APPLICABLE`."""
-    from .trainer import PrivateTrainer
+    from .train.trainer import PrivateTrainer
 
     if config["method"] != "clipless":
         raise SystemExit(f"--resume: --method {config['method']} keeps no checkpoint; only clipless runs resume")
@@ -339,19 +341,19 @@ def _resumed_config(config: Dict[str, Any], explicit: set) -> Dict[str, Any]:
     resumed = {**DEFAULTS, **saved}
     applied = []
     for key in RESUME_APPLICABLE:
-        if key in explicit and resumed.get(key) != config[key]:
-            if key not in ("resume", "output_dir"):
+        if key in explicit or key in ("resume", "output_dir"):
+            if resumed.get(key) != config[key] and key not in ("resume", "output_dir"):
                 applied.append(f"{key}={config[key]!r} (was {resumed.get(key)!r})")
-        resumed[key] = config[key]
+            resumed[key] = config[key]
     print(f"resume: settings of {ckpt}" + (f"; applied {', '.join(applied)}" if applied else ""), file=sys.stderr)
     return resumed
 
 
 def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
-    from .data import load_dataset
-    from .layers import AdaptiveLossGradientClip, LossGradientClip
-    from .models import build_loss, build_model, build_optimizer
-    from .trainer import PrivateTrainer
+    from .data.datasets import load_dataset
+    from .nn.clipping import AdaptiveLossGradientClip, LossGradientClip
+    from .nn.models import build_loss, build_model, build_optimizer
+    from .train.trainer import PrivateTrainer
 
     seed: Optional[int] = None if config["seed"] is None or config["seed"] < 0 else int(config["seed"])
     if seed is not None:
@@ -359,7 +361,7 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     data = load_dataset(config["dataset"], config["data_dir"], seed=seed or 0)
     shape, classes = data.input_shape, data.num_classes
     if config["features"] == "scattering":
-        from .features import scattering_split
+        from .data.features import scattering_split
 
         if config["model"] != "mlp" or len(shape) != 3:
             raise SystemExit("--features scattering needs image data and --model mlp (the features are a vector)")
@@ -430,7 +432,7 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _write_result(out_dir: Path, result: Dict[str, Any]) -> Dict[str, Any]:
-    from .checkpoint import write_atomically
+    from .train.checkpoint import write_atomically
 
     write_atomically(out_dir / "result.json", json.dumps(result, indent=2, default=str).encode())
     return result
@@ -453,7 +455,12 @@ def prepare_output_dir(out_dir: Path) -> None:
 
 def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict[str, Any]:
     """``--method dpsgd|nonprivate``: the unconstrained counterpart of the chosen model, same data and widths."""
-    from .baselines import standard_cnn, standard_mlp, train_dpsgd, train_nonprivate
+    from .train.baselines import (
+        standard_cnn,
+        standard_mlp,
+        train_dpsgd,
+        train_nonprivate,
+    )
 
     shape, classes = data.input_shape, data.num_classes
     if config["model"] not in ("mlp", "cnn"):
@@ -479,11 +486,12 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
 
 def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     """``clipless pretrain``: pairs from random crops and flips of the training images."""
-    from .baselines import standard_cnn, standard_mlp
-    from .data import load_dataset
-    from .models import build_optimizer
-    from .pairs import AugmentedPairs
-    from .pretrain import ContrastivePretrainer, evaluate_encoder
+    from .contrastive.evaluation import evaluate_encoder
+    from .contrastive.pairs import AugmentedPairs
+    from .contrastive.pretrain import ContrastivePretrainer
+    from .data.datasets import load_dataset
+    from .nn.models import build_optimizer
+    from .train.baselines import standard_cnn, standard_mlp
 
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
     if seed is not None:
@@ -518,7 +526,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
                    **evaluate_encoder(encoder, data.test)})
-    from .checkpoint import write_atomically
+    from .train.checkpoint import write_atomically
 
     buffer = io.BytesIO()
     torch.save(encoder.state_dict(), buffer)
@@ -568,7 +576,7 @@ def _run(args: argparse.Namespace) -> int:
               f"{result['wall_time_s']:.1f}s; {_privacy_status(result)}; "
               f"result in {Path(args.output_dir) / 'result.json'}")
     elif args.command == "kl-study":
-        from .kl_study import KLStudyConfig, format_summary, main_kl_study
+        from .kl.study import KLStudyConfig, format_summary, main_kl_study
 
         options = {k: v for k, v in vars(args).items() if k != "command"}
         options["digits"] = tuple(options["digits"])

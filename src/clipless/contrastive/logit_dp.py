@@ -1,0 +1,441 @@
+"""Logit-DP (Kong et al.; spec §4): private contrastive / spreadout training of embedding models.
+
+A batch is ``n`` positive pairs ``(x_i, x'_i)``; ``u_i``, ``v_j`` are the L2-normalized embeddings of
+``x_i`` and ``x'_j`` and the logits are ``Z_ij = cos_ij / tau`` with ``cos_ij = <u_i, v_j>``.
+The loss gradient is ``sum_ij a_ij grad Z_ij`` with ``a_ij = dL/dZ_ij``.  Logit-DP clips every pair
+gradient ``g_ij = grad_w cos_ij`` to norm ``B`` and releases ``gbar = sum_ij a_ij Clip_B(g_ij) / tau``
+plus Gaussian noise calibrated to its add/remove-one-pair sensitivity (:func:`logit_dp_sensitivity`).
+
+No ``n^2`` parameter-sized gradients are built: ``g_ij = J_i^T v_j + J'_j^T u_i`` (``J`` the Jacobian
+of the normalized embedding), so ``||g_ij||^2`` needs only the ``d x d`` Gram blocks ``J_i J_i^T``,
+``J'_j J'_j^T`` and ``J_i J'_j^T`` (:func:`pair_gradient_norms`).  Then
+``lambda_ij = a_ij min(1, B / ||g_ij||)`` (detached) and one backward pass through
+``sum_ij lambda_ij Z_ij`` yields ``gbar``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from ..privacy.bounds import global_hooks_registered, module_hooks
+
+__all__ = [
+    "LOSSES",
+    "LOSS_FUNCTIONS",
+    "normalized_embedding",
+    "similarity_logits",
+    "pair_logits",
+    "contrastive_loss",
+    "spreadout_loss",
+    "logit_gradient",
+    "logit_dp_sensitivity",
+    "naive_dp_sensitivity",
+    "pair_gradient_norms",
+    "clip_factors",
+    "logit_dp_gradient",
+    "naive_dp_gradient",
+    "nonprivate_gradient",
+]
+
+
+
+def normalized_embedding(encoder: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``Phi(x) / ||Phi(x)||`` per example, shape ``(n, d)``."""
+    e = encoder(x)
+    if e.dim() != 2:
+        raise ValueError(f"the encoder must return (batch, embedding_dim), got shape {tuple(e.shape)}")
+    return F.normalize(e, dim=1)
+
+
+def similarity_logits(u: torch.Tensor, v: torch.Tensor, tau: float) -> torch.Tensor:
+    """``Z_ij = <u_i, v_j> / tau``."""
+    return u @ v.T / tau
+
+
+def pair_logits(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, tau: float) -> torch.Tensor:
+    """``Z_ij = cos(Phi(xa_i), Phi(xb_j)) / tau`` for a batch of pairs."""
+    return similarity_logits(normalized_embedding(encoder, xa), normalized_embedding(encoder, xb), tau)
+
+
+def contrastive_loss(z: torch.Tensor) -> torch.Tensor:
+    """InfoNCE summed over the batch: ``sum_i -log softmax(Z_i)_i``."""
+    if z.shape[0] == 0:
+        return z.sum()
+    return F.cross_entropy(z, torch.arange(z.shape[0], device=z.device), reduction="sum")
+
+
+def spreadout_loss(z: torch.Tensor) -> torch.Tensor:
+    """``sum_i sum_{j != i} Z_ij^2 / (n - 1)`` (0 for ``n <= 1``)."""
+    n = z.shape[0]
+    if n <= 1:
+        return z.sum() * 0.0
+    off = z - torch.diag_embed(torch.diagonal(z))
+    return (off**2).sum() / (n - 1)
+
+
+LOSS_FUNCTIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "contrastive": contrastive_loss,
+    "spreadout": spreadout_loss,
+}
+LOSSES = tuple(LOSS_FUNCTIONS)
+
+
+def _check_loss(loss: str, tau: float) -> None:
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    if not (tau > 0):
+        raise ValueError(f"temperature tau must be positive, got {tau}")
+    if loss == "spreadout" and tau != 1.0:
+        raise ValueError("the spreadout sensitivity 6B (spec §4) holds for tau = 1 only")
+
+
+def logit_gradient(z: torch.Tensor, loss: str) -> torch.Tensor:
+    """``a_ij = dL/dZ_ij``: ``softmax(Z)_ij - [i == j]`` (contrastive), ``2 Z_ij / (n-1)``, ``j != i`` (spreadout)."""
+    n = z.shape[0]
+    z = z.detach()
+    if loss == "contrastive":
+        return torch.softmax(z, dim=1) - torch.eye(n, dtype=z.dtype, device=z.device)
+    if loss == "spreadout":
+        if n <= 1:
+            return torch.zeros_like(z)
+        return 2.0 * (z - torch.diag_embed(torch.diagonal(z))) / (n - 1)
+    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+
+
+def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive",
+                         batch_size: Optional[int] = None) -> float:
+    """Add/remove-one-pair sensitivity of ``gbar`` (spec §4).
+
+    Contrastive: ``(B/tau)(2 + 2(n-1) q_n)``, ``q_n = e^{2/tau} / (e^{2/tau} + n - 1)``: row ``k`` moves by
+    at most ``2``, column ``k`` by ``sum_i p_ik <= (n-1) q_n``, and renormalizing the other rows' softmax
+    by another ``(n-1) q_n``.  ``(n-1) q_n`` increases to ``e^{2/tau}``, so with ``batch_size=None`` (Poisson
+    batches, whose size is not public) the bound for every ``n`` is ``2 (B/tau)(1 + e^{2/tau})``.
+    Spreadout (``tau = 1``): ``6 B`` for every ``n``.
+    """
+    _check_loss(loss, tau)
+    if not (clip_norm > 0):
+        raise ValueError(f"clip norm B must be positive, got {clip_norm}")
+    if loss == "spreadout":
+        return 6.0 * clip_norm
+    if batch_size is None:
+        return 2.0 * (clip_norm / tau) * (1.0 + math.exp(2.0 / tau))
+    n = int(batch_size)
+    if n < 1:
+        raise ValueError("batch size must be >= 1")
+    e = math.exp(2.0 / tau)
+    return (clip_norm / tau) * (2.0 + 2.0 * (n - 1) * e / (e + n - 1))
+
+
+def naive_dp_sensitivity(clip_norm: float) -> float:
+    """Whole-batch gradient clipped to ``C``: add/remove one pair moves it by at most ``2C`` (not ``C``)."""
+    if not (clip_norm > 0):
+        raise ValueError(f"clip norm C must be positive, got {clip_norm}")
+    return 2.0 * clip_norm
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gram blocks of the normalized-embedding Jacobian
+# ---------------------------------------------------------------------------------------------------
+
+
+# Parameter-free modules whose forward is known and acts on each example alone: the only company
+# ``nn.Linear`` layers may keep on the outer-product path.
+_KNOWN_ACTIVATIONS = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus,
+                      nn.Identity, nn.Flatten)
+
+
+def _outer_product_path_applies(encoder: nn.Module) -> bool:
+    """Every module is a plain ``nn.Sequential``, an ``nn.Linear`` or a known activation, without hooks, and
+    no parameter is shared: then the parameters' gradients are exactly the per-layer outer products."""
+    if global_hooks_registered():
+        return False
+    seen = set()
+    for m in encoder.modules():
+        if type(m) not in (nn.Sequential, nn.Linear) + _KNOWN_ACTIVATIONS or module_hooks(m):
+            return False
+    for _, p in encoder.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # tied weights: the gradient is the sum of both uses, not two separate blocks
+            return False
+        seen.add(id(p))
+    return True
+
+
+def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch.Tensor, List[Tuple]]]:
+    """Normalized embeddings and, per ``nn.Linear``, ``(delta (n, d, out), inputs (n, in), has_bias)``.
+
+    ``delta[i, a] = d u_i[a] / d z_i`` for the layer's output ``z``; the Jacobian of ``u_i[a]`` w.r.t.
+    the weight is the outer product ``delta[i, a] h_i^T`` (and ``delta[i, a]`` for the bias).  Returns
+    ``None`` unless :func:`_outer_product_path_applies` and every layer runs once on ``(n, in)`` inputs:
+    the factorization would not hold otherwise.  The recorded output is not the tensor handed on (a
+    clone is), so in-place activations cannot overwrite it and skip their own derivative.
+    """
+    if not _outer_product_path_applies(encoder):
+        return None
+    linears = [m for m in encoder.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return None
+    records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {id(m): [] for m in linears}
+
+    def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        records[id(module)].append((args[0].detach().clone(), out))
+        return out.clone()
+
+    handles = [m.register_forward_hook(hook) for m in linears]
+    try:
+        with torch.enable_grad():
+            u = normalized_embedding(encoder, x)
+    finally:
+        for h in handles:
+            h.remove()
+    if any(len(r) != 1 or r[0][0].dim() != 2 for r in records.values()):
+        return None
+    outs = [records[id(m)][0][1] for m in linears]
+    n, d = u.shape
+    basis = torch.eye(d, dtype=u.dtype, device=u.device).unsqueeze(1).expand(d, n, d)
+    deltas = torch.autograd.grad(u, outs, grad_outputs=basis, is_grads_batched=True, allow_unused=True)
+    factors = []
+    for m, delta, out in zip(linears, deltas, outs):
+        if delta is None:
+            delta = torch.zeros((d,) + tuple(out.shape), dtype=out.dtype, device=out.device)
+        factors.append((delta.permute(1, 0, 2), records[id(m)][0][0], m.bias is not None))
+    return u.detach(), factors
+
+
+def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor, v: torch.Tensor,
+                               block: int) -> Tuple[torch.Tensor, ...]:
+    """``A_ij = v_j^T J_i J_i^T v_j``, ``B_ij = u_i^T J'_j J'_j^T u_i``, ``C_ij = v_j^T J_i J'_j^T u_i``.
+
+    Per layer, ``J_i[a] . J'_j[b] = (delta_i[a] . delta'_j[b]) (h_i . h'_j + [bias])``.  The cross term is
+    contracted with ``v_j`` and ``u_i`` before the ``d x d`` block is formed:
+    ``C_ij = sum_layers (h_i . h'_j + 1) <delta_i^T v_j, delta'_j^T u_i>``, in blocks of ``block`` rows, so
+    the work is ``O(n^2 d width)`` and the memory ``O(block n width)``.
+    """
+    n, d = u.shape
+    A = u.new_zeros(n, n)
+    B = u.new_zeros(n, n)
+    C = u.new_zeros(n, n)
+    trace_a, trace_b = u.new_zeros(n), u.new_zeros(n)
+    for (da, ha, bias), (db, hb, _) in zip(fa, fb):
+        width = da.shape[2]
+        gram_aa = torch.einsum("iao,ibo->iab", da, da) * ((ha * ha).sum(1) + float(bias))[:, None, None]
+        gram_bb = torch.einsum("jao,jbo->jab", db, db) * ((hb * hb).sum(1) + float(bias))[:, None, None]
+        A += torch.einsum("iab,ja,jb->ij", gram_aa, v, v)
+        B += torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
+        trace_a += torch.einsum("iaa->i", gram_aa)
+        trace_b += torch.einsum("jaa->j", gram_bb)
+        h_cross = ha @ hb.T + float(bias)
+        db_flat = db.permute(1, 0, 2).reshape(d, n * width)
+        for start in range(0, n, block):
+            rows = slice(start, min(n, start + block))
+            da_v = torch.matmul(v, da[rows])  # (m, n, width): delta_i^T v_j
+            db_u = (u[rows] @ db_flat).reshape(-1, n, width)  # delta'_j^T u_i
+            C[rows] += h_cross[rows] * (da_v * db_u).sum(-1)
+    return A, B, C, trace_a, trace_b
+
+
+def _rounding_margin(accumulation_length: int, dtype: torch.dtype) -> float:
+    """``4 gamma_K``, ``gamma_K = K u / (1 - K u)`` (``u`` the unit roundoff of ``dtype``).
+
+    Each of ``A``, ``B``, ``C`` is a sum of products passing through at most ``K`` roundings, so its error
+    is at most ``gamma_K`` times the sum of its terms' absolute values.  For the PSD Gram blocks
+    (``|K_ab| <= sqrt(K_aa K_bb)``) and unit ``u``, ``v`` those sums are at most ``tr K_i = ||J_i||_F^2``,
+    ``||J'_j||_F^2`` and ``sqrt(||J_i||_F^2 ||J'_j||_F^2)``, so ``A + 2C + B`` is within
+    ``2 gamma_K (||J_i||_F^2 + ||J'_j||_F^2)``; the factor 2 on top is slack."""
+    unit = torch.finfo(dtype).eps / 2
+    k_u = accumulation_length * unit
+    if k_u >= 0.5:
+        raise ValueError("sums too long for a rounding bound in this precision; use float64")
+    return 4.0 * k_u / (1.0 - k_u)
+
+
+def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per-example Jacobian of the normalized embedding w.r.t. all trainable parameters, ``(n, d, p)``."""
+    names = [k for k, p in encoder.named_parameters() if p.requires_grad]
+    params = {k: p.detach() for k, p in encoder.named_parameters() if p.requires_grad}
+    buffers = dict(encoder.named_buffers())
+
+    def f(p: Dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+        e = functional_call(encoder, ({**p}, buffers), (xi.unsqueeze(0),)).squeeze(0)
+        return F.normalize(e, dim=0)
+
+    parts, alone = [], []
+    for start in range(0, x.shape[0], chunk):
+        jac = vmap(jacrev(f), in_dims=(None, 0))(params, x[start : start + chunk])
+        parts.append(torch.cat([jac[k].flatten(2) for k in names], dim=2).double())
+        with torch.no_grad():
+            alone.append(vmap(f, in_dims=(None, 0))(params, x[start : start + chunk]))
+    # The norms are those of each example alone; the released gradient comes from the batch forward.
+    # They describe the same function only if no example's embedding depends on the others.
+    with torch.no_grad():
+        together = normalized_embedding(encoder, x)
+    if x.shape[0] and not torch.allclose(torch.cat(alone), together, rtol=1e-4, atol=1e-5):
+        raise ValueError("the encoder's output for one example depends on the other examples of the batch "
+                         "(batch statistics or another coupling module): Logit-DP's per-pair analysis does not apply")
+    return torch.cat(parts)
+
+
+def pair_gradient_norms(
+    encoder: nn.Module,
+    xa: torch.Tensor,
+    xb: torch.Tensor,
+    method: str = "auto",
+    block: int = 256,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """``||grad_w cos(Phi(xa_i), Phi(xb_j))||`` for all ``i, j`` (``(n, n)``, float64), from Gram blocks.
+
+    ``method="linear"``: encoders whose parameters all sit in ``nn.Linear`` layers (any activations
+    between), via the outer-product structure of their Jacobians: cost ``O(n^2 d (width))`` per layer.
+    ``method="jacobian"``: any encoder without cross-example coupling, via ``torch.func``
+    (``vmap(jacrev)``) Jacobians ``(n, d, p)`` and the Gram tensor ``J_i J'_j^T`` (``n^2 d^2`` numbers).
+    ``"auto"`` takes the first that applies.  The values are over-estimated by a rounding margin only
+    when used for clipping (:func:`logit_dp_gradient`), not here.
+    """
+    A, B, C, _ = _gram_terms(encoder, xa, xb, method, block, chunk)
+    return (A + 2.0 * C + B).double().clamp_min(0.0).sqrt()
+
+
+def _check_per_example(encoder: nn.Module) -> None:
+    """Refuse layers that break the per-pair analysis: batch statistics couple the examples of a batch, and
+    random dropout masks would differ between the pass that measures the norms and the one that uses them."""
+    for name, m in encoder.named_modules():
+        # Batch statistics are used in training mode and, without running statistics, in eval mode too.
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None):
+            raise ValueError(f"layer {name or 'encoder'} ({type(m).__name__}) couples examples through batch "
+                             "statistics; use a per-example normalization (LayerNorm, GroupNorm)")
+        if m.training and isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            raise ValueError(f"layer {name} ({type(m).__name__}) is random: the clipped pair norms would be "
+                             "measured on a different function than the one differentiated; remove dropout")
+
+
+def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: str, block: int, chunk: int):
+    _check_per_example(encoder)
+    if xa.shape != xb.shape:
+        raise ValueError(f"pair sides differ in shape: {tuple(xa.shape)} vs {tuple(xb.shape)}")
+    if method not in ("auto", "linear", "jacobian"):
+        raise ValueError(f"method must be auto, linear or jacobian, got {method!r}")
+    n = xa.shape[0]
+    if method in ("auto", "linear"):
+        fac_a = _linear_factors(encoder, xa)
+        fac_b = _linear_factors(encoder, xb) if fac_a is not None else None
+        if fac_a is not None and fac_b is not None:
+            u, fa = fac_a
+            v, fb = fac_b
+            A, B, C, trace_a, trace_b = _terms_from_linear_factors(fa, fb, u, v, block)
+            d = u.shape[1]
+            length = sum(h.shape[1] + da.shape[2] + 2 for da, h, _ in fa) + d * d + 2 * d + len(fa)
+            slack = _rounding_margin(length, A.dtype) * (trace_a[:, None] + trace_b[None, :])
+            return A, B, C, slack
+        if method == "linear":
+            raise ValueError("method='linear' needs an encoder whose parameters all belong to nn.Linear layers "
+                             "applied once to (batch, features) inputs; use method='jacobian'")
+    with torch.no_grad():
+        u = normalized_embedding(encoder, xa).double()
+        v = normalized_embedding(encoder, xb).double()
+    ja = _jacobian(encoder, xa, chunk)
+    jb = _jacobian(encoder, xb, chunk)
+    gram_aa = torch.einsum("iap,ibp->iab", ja, ja)
+    gram_bb = torch.einsum("jap,jbp->jab", jb, jb)
+    A = torch.einsum("iab,ja,jb->ij", gram_aa, v, v)
+    B = torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
+    C = u.new_zeros(n, n)
+    for start in range(0, n, block):
+        rows = slice(start, min(n, start + block))
+        gram_ab = torch.einsum("iap,jbp->ijab", ja[rows], jb)  # J_i J'_j^T, the d x d Gram blocks
+        C[rows] = torch.einsum("ijab,ja,ib->ij", gram_ab, v, u[rows])
+    d = ja.shape[1]
+    trace_a, trace_b = torch.einsum("iaa->i", gram_aa), torch.einsum("jaa->j", gram_bb)
+    slack = _rounding_margin(ja.shape[2] + d * d + 2 * d, A.dtype) * (trace_a[:, None] + trace_b[None, :])
+    return A, B, C, slack
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two private gradients (noise is added by the caller; see clipless.contrastive.pretrain)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _cleared_params(encoder: nn.Module) -> List[nn.Parameter]:
+    params = [p for p in encoder.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    return params
+
+
+def _fill_missing_grads(params: List[nn.Parameter]) -> None:
+    """A parameter the batch did not reach (or an empty batch) has gradient 0, which still gets noise."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_norm: float,
+                 method: str = "auto", block: int = 256) -> torch.Tensor:
+    """``min(1, B / ||g_ij||)`` for all pairs (float64), with ``||g_ij||`` over-estimated by a bound on
+    the rounding of ``A + 2C + B`` so that no clipped pair gradient exceeds ``B``."""
+    A, B, C, slack = _gram_terms(encoder, xa, xb, method, block, chunk=64)
+    norms = (A + 2.0 * C + B + slack).double().clamp_min(0.0).sqrt()
+    return torch.clamp(clip_norm / norms.clamp_min(1e-300), max=1.0)
+
+
+def logit_dp_gradient(
+    encoder: nn.Module,
+    xa: torch.Tensor,
+    xb: torch.Tensor,
+    loss: str,
+    tau: float,
+    clip_norm: float,
+    method: str = "auto",
+    block: int = 256,
+) -> Dict[str, float]:
+    """Set every parameter's ``.grad`` to ``gbar = sum_ij a_ij Clip_B(g_ij) / tau`` (the un-noised sum).
+
+    Returns the batch loss and the fraction of pair gradients that were clipped.
+    """
+    _check_loss(loss, tau)
+    if not (clip_norm > 0):
+        raise ValueError(f"clip norm B must be positive, got {clip_norm}")
+    params = _cleared_params(encoder)
+    if xa.shape[0] == 0:
+        _fill_missing_grads(params)
+        return {"loss": 0.0, "clipped_fraction": 0.0}
+    factor = clip_factors(encoder, xa, xb, clip_norm, method, block)
+    z = pair_logits(encoder, xa, xb, tau)
+    a = logit_gradient(z, loss)
+    weights = (a.double() * factor).to(z.dtype)
+    (weights * z).sum().backward()
+    _fill_missing_grads(params)
+    return {"loss": float(LOSS_FUNCTIONS[loss](z.detach())), "clipped_fraction": float((factor < 1).double().mean())}
+
+
+def naive_dp_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, loss: str, tau: float,
+                      clip_norm: float) -> Dict[str, float]:
+    """Set ``.grad`` to the whole batch's loss gradient clipped to norm ``C`` (sensitivity ``2C``)."""
+    _check_loss(loss, tau)
+    params = _cleared_params(encoder)
+    if xa.shape[0] == 0:
+        _fill_missing_grads(params)
+        return {"loss": 0.0, "clipped_fraction": 0.0}
+    value = LOSS_FUNCTIONS[loss](pair_logits(encoder, xa, xb, tau))
+    value.backward()
+    _fill_missing_grads(params)
+    total = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))  # type: ignore[union-attr]
+    factor = min(1.0, clip_norm / max(float(total), 1e-300))
+    for p in params:
+        p.grad = p.grad * factor  # type: ignore[operator]
+    return {"loss": float(value.detach()), "clipped_fraction": float(factor < 1.0)}
+
+
+def nonprivate_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, loss: str,
+                        tau: float) -> Dict[str, float]:
+    """Set ``.grad`` to the batch loss gradient (sum over pairs), no clipping."""
+    _check_loss(loss, tau)
+    _cleared_params(encoder)
+    value = LOSS_FUNCTIONS[loss](pair_logits(encoder, xa, xb, tau))
+    value.backward()
+    return {"loss": float(value.detach()), "clipped_fraction": 0.0}

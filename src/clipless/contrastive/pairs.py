@@ -1,0 +1,129 @@
+"""Positive pairs for contrastive pre-training: two augmentations of one image, or given pairs.
+
+One pair is one record of the privacy analysis (spec §1): the Poisson loader samples pairs, and both
+views of a pair come from the same source record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import List, Optional, Tuple
+
+import torch
+from torch.utils.data import Dataset
+
+from ..data.datasets import check_finite
+
+__all__ = ["crop_flip", "random_crop_flip", "AugmentedPairs", "GivenPairs"]
+
+
+def crop_flip(images: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, mirror: torch.Tensor,
+              padding: int) -> torch.Tensor:
+    """Per image ``k``: zero-pad by ``padding``, crop back to the original size at offset ``(dy[k], dx[k])``
+    (each in ``[0, 2 padding]``), and mirror left-right where ``mirror[k]``.  ``images`` is ``(n, C, H, W)``."""
+    if images.dim() != 4:
+        raise ValueError(f"images must be (n, C, H, W), got shape {tuple(images.shape)}")
+    if padding < 0:
+        raise ValueError("padding must be >= 0")
+    n, c, h, w = images.shape
+    out = images
+    if padding > 0 and n > 0:
+        padded = torch.nn.functional.pad(images, (padding,) * 4)
+        rows = (dy[:, None] + torch.arange(h))[:, None, :, None]
+        cols = (dx[:, None] + torch.arange(w))[:, None, None, :]
+        out = padded[torch.arange(n)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]
+    if n > 0:
+        out = torch.where(mirror.bool()[:, None, None, None], out.flip(-1), out)
+    return out
+
+
+def random_crop_flip(
+    images: torch.Tensor, padding: int = 2, flip: bool = True, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """:func:`crop_flip` at uniform offsets, mirrored with probability 1/2 (if ``flip``), drawn from ``generator``."""
+    n = images.shape[0] if images.dim() == 4 else 0
+    dy = torch.randint(0, 2 * max(padding, 0) + 1, (n,), generator=generator)
+    dx = torch.randint(0, 2 * max(padding, 0) + 1, (n,), generator=generator)
+    mirror = (torch.rand(n, generator=generator) < 0.5) if flip else torch.zeros(n, dtype=torch.bool)
+    return crop_flip(images, dy, dx, mirror, padding)
+
+
+class AugmentedPairs(Dataset):
+    """``(aug(x), aug(x))`` for every image ``x``, with fresh random crops and flips at each access.
+
+    The augmentations of a record depend only on a secret key, the record's own content and how many
+    times it was drawn, never on which other records are present or on batch order (spec §1, §7): with
+    ``seed=None`` the key comes from OS entropy; an integer ``seed`` makes them reproducible (experiments).
+    Each draw is keyed BLAKE2b of (record digest, draw count): 16 bytes for two crops and two flips.
+    """
+
+    def __init__(self, images: torch.Tensor, padding: int = 2, flip: bool = True, seed: Optional[int] = None) -> None:
+        if images.dim() != 4:
+            raise ValueError(f"images must be (N, C, H, W), got shape {tuple(images.shape)}")
+        if padding < 0:
+            raise ValueError("padding must be >= 0")
+        check_finite(images, "images")
+        self.images, self.padding, self.flip = images, int(padding), bool(flip)
+        self.key = os.urandom(32) if seed is None else hashlib.sha256(f"clipless-pairs:{int(seed)}".encode()).digest()
+        contiguous = images.detach().cpu().contiguous()
+        self._digests = [hashlib.blake2b(contiguous[i].numpy().tobytes(), digest_size=16).digest()
+                         for i in range(contiguous.shape[0])]
+        self.draws = torch.zeros(len(self._digests), dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.gather([index])
+        return a[0], b[0]
+
+    def _draw(self, indices: List[int]) -> torch.Tensor:
+        """``(n, 6)`` per-record draws from 16-bit words of the record's digest: dy, dx, mirror for each view."""
+        buffer = bytearray()
+        for i in indices:
+            count = int(self.draws[i])
+            self.draws[i] = count + 1
+            buffer += hashlib.blake2b(self._digests[i] + count.to_bytes(8, "little"), key=self.key,
+                                      digest_size=16).digest()
+        words = torch.frombuffer(buffer, dtype=torch.int16).to(torch.int64).reshape(len(indices), 8) & 0xFFFF
+        span = torch.tensor([2 * self.padding + 1, 2 * self.padding + 1, 2] * 2)
+        draws = words[:, :6] % span
+        if not self.flip:
+            draws[:, [2, 5]] = 0
+        return draws
+
+    def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        x = self.images[torch.as_tensor(indices, dtype=torch.long)]
+        d = self._draw(list(indices))
+        return crop_flip(x, d[:, 0], d[:, 1], d[:, 2], self.padding), crop_flip(x, d[:, 3], d[:, 4], d[:, 5], self.padding)
+
+    def state_dict(self) -> dict:
+        """Key and draw counts: resuming from them repeats the augmentations exactly (as secret as the data)."""
+        return {"key": self.key, "draws": self.draws.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["draws"].shape != self.draws.shape:
+            raise ValueError("augmentation state is for another number of records")
+        self.key, self.draws = bytes(state["key"]), state["draws"].clone()
+
+
+class GivenPairs(Dataset):
+    """Pairs ``(xa[i], xb[i])`` supplied by the user (e.g. two modalities of one record)."""
+
+    def __init__(self, xa: torch.Tensor, xb: torch.Tensor) -> None:
+        if xa.shape != xb.shape:
+            raise ValueError(f"pair sides differ in shape: {tuple(xa.shape)} vs {tuple(xb.shape)}")
+        check_finite(xa, "first views")
+        check_finite(xb, "second views")
+        self.xa, self.xb = xa, xb
+
+    def __len__(self) -> int:
+        return int(self.xa.shape[0])
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.xa[index], self.xb[index]
+
+    def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return self.xa[idx], self.xb[idx]

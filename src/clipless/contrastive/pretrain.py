@@ -1,0 +1,276 @@
+"""Private contrastive / spreadout pre-training of an embedding model: Logit-DP, Naive-DP, non-private.
+
+The loop around :mod:`clipless.contrastive.logit_dp`: Poisson sampling of pairs, noise ``N(0, (sigma Delta)^2)`` on
+the summed gradient, division by the expected batch size, any ``torch.optim`` optimizer, and the
+accountant (a Poisson-subsampled Gaussian step per iteration, spec §1).  Evaluation: k-NN accuracy of
+test embeddings and a linear head trained on frozen embeddings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from ..privacy.accounting import PrivacyAccountant, check_delta
+from ..privacy.calibration import plan_noise, planned_steps
+from ..privacy.noise import add_gaussian_noise_
+from ..privacy.randomness import make_generator, randomness_label
+from ..privacy.sampling import poisson_data_loader
+from ..train.checkpoint import load_checkpoint, save_checkpoint
+from .logit_dp import (
+    LOSS_FUNCTIONS,
+    logit_dp_gradient,
+    logit_dp_sensitivity,
+    naive_dp_gradient,
+    naive_dp_sensitivity,
+    nonprivate_gradient,
+    pair_logits,
+)
+
+__all__ = ["METHODS", "PretrainResult", "ContrastivePretrainer"]
+
+METHODS = ("logit_dp", "naive_dp", "nonprivate")
+
+
+
+@dataclass
+class PretrainResult:
+    method: str
+    loss: str
+    tau: float
+    clip_norm: Optional[float]
+    epsilon: Optional[float]
+    delta: Optional[float]
+    noise_multiplier: Optional[float]
+    sensitivity: Optional[float]
+    steps: int
+    epochs: int
+    expected_batch_size: float
+    sample_rate: float
+    sampling: str
+    accountant: Optional[str]
+    private: bool
+    randomness: str
+    privacy_note: str
+    wall_time_s: float
+    history: List[Dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+class ContrastivePretrainer:
+    """Pre-train ``encoder`` on the positive pairs ``pairs`` with ``method`` in ``METHODS``.
+
+    ``clip_norm`` is ``B`` (per pair gradient, Logit-DP) or ``C`` (whole batch gradient, Naive-DP).
+    Give ``target_epsilon`` (sigma is calibrated for ``epochs`` through the one noise plan,
+    :func:`~clipless.privacy.calibration.plan_noise`) or ``noise_multiplier``.
+    ``eval_pairs`` (held-out, no privacy cost) gives the loss logged after every epoch, computed on
+    batches of the expected batch size so that it is comparable between methods.
+    Noise and sampling come from OS entropy unless ``noise_seed`` fixes them (the result then says the
+    run is not private).  ``log_train_stats`` adds the fraction of clipped pair gradients of the training
+    batches (no noise: labelled ``nonprivate_clipped_fraction``).
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        pairs: Dataset,
+        *,
+        method: str = "logit_dp",
+        loss: str = "contrastive",
+        tau: float = 1.0,
+        clip_norm: float = 1.0,
+        batch_size: float,
+        epochs: int,
+        delta: Optional[float] = None,
+        target_epsilon: Optional[float] = None,
+        noise_multiplier: Optional[float] = None,
+        accountant: str = "pld",
+        noise_seed: Optional[int] = None,
+        eval_pairs: Optional[Dataset] = None,
+        gram_method: str = "auto",
+        progress: bool = True,
+        log: Optional[Callable[[str], None]] = print,
+        checkpoint_path: Optional[Union[str, Path]] = None,
+        log_train_stats: bool = False,
+    ) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if loss not in LOSS_FUNCTIONS:
+            raise ValueError(f"loss must be one of {tuple(LOSS_FUNCTIONS)}, got {loss!r}")
+        n = len(pairs)  # type: ignore[arg-type]
+        if not (0 < batch_size <= n):
+            raise ValueError(f"expected batch size must be in (0, {n}], got {batch_size}")
+        self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
+        self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
+        self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
+        self.log_train_stats = bool(log_train_stats)
+        self.gram_method, self.progress, self.log = gram_method, progress, log
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.sample_rate = self.batch_size / n
+        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        self.planned_steps = planned_steps(epochs, self.steps_per_epoch)
+        self.epochs = self.planned_steps // self.steps_per_epoch
+        logit_dp_sensitivity(1.0, self.tau, loss)  # validates (loss, tau) before any calibration
+        self.accountant: Optional[PrivacyAccountant] = None
+        self.plan = None
+        self.sigma: Optional[float] = None
+        self.sensitivity: Optional[float] = None
+        if method != "nonprivate":
+            if delta is None:
+                raise ValueError("a private method needs delta")
+            check_delta(delta, n)
+            self.accountant = PrivacyAccountant(accountant)
+            # One Gaussian mechanism per step (the whole clipped gradient), planned like every other run.
+            self.plan = plan_noise(None, sample_rate=self.sample_rate, accountant=accountant,
+                                   noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
+                                   steps=self.planned_steps)
+            self.sigma = self.plan.step_sigma
+            # Poisson batches have a random, private size: the sensitivity must hold for every n.
+            self.sensitivity = (logit_dp_sensitivity(self.clip_norm, self.tau, loss) if method == "logit_dp"
+                                else naive_dp_sensitivity(self.clip_norm))
+        self.loader = poisson_data_loader(pairs, self.sample_rate, generator=make_generator(noise_seed, stream=1))
+        self.noise_generator = make_generator(noise_seed, stream=2)
+        self.steps = 0
+        self.epoch = 0
+        self.history: List[Dict[str, float]] = []
+        self._wall = 0.0
+
+    @property
+    def epsilon(self) -> Optional[float]:
+        return None if self.accountant is None else self.accountant.get_epsilon(self.delta)  # type: ignore[arg-type]
+
+    def _budget_spent(self) -> bool:
+        return self.plan is not None and self.plan.max_steps is not None and self.steps >= self.plan.max_steps
+
+    def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
+        self.encoder.train()
+        if self.method == "logit_dp":
+            stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method)
+        elif self.method == "naive_dp":
+            stats = naive_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm)
+        else:
+            stats = nonprivate_gradient(self.encoder, xa, xb, self.loss, self.tau)
+        params = [p for p in self.encoder.parameters() if p.requires_grad]
+        if self.accountant is not None:
+            self.plan.check_budget(self.accountant.steps)  # type: ignore[union-attr]
+            add_gaussian_noise_(params, self.sigma * self.sensitivity, self.batch_size,  # type: ignore[operator]
+                                self.noise_generator)
+            self.plan.account_step(self.accountant)  # type: ignore[union-attr]
+        else:
+            for p in params:  # same scaling as the private paths: sum / expected batch size
+                if p.grad is not None:
+                    p.grad /= self.batch_size
+        self.optimizer.step()
+        self.steps += 1
+        return stats
+
+    @torch.no_grad()
+    def eval_loss(self) -> Optional[float]:
+        """Mean per-pair loss on ``eval_pairs`` in batches of the expected batch size."""
+        if self.eval_pairs is None:
+            return None
+        self.encoder.eval()
+        size = max(2, round(self.batch_size))
+        total, count = 0.0, 0
+        for xa, xb in DataLoader(self.eval_pairs, batch_size=size, drop_last=len(self.eval_pairs) >= size):  # type: ignore[arg-type]
+            total += float(LOSS_FUNCTIONS[self.loss](pair_logits(self.encoder, xa, xb, self.tau)))
+            count += xa.shape[0]
+        self.encoder.train()
+        return total / max(count, 1)
+
+    def fit(self) -> PretrainResult:
+        if self.epoch == 0 and not self.history:
+            self.history.append({"epoch": 0, "eval_loss": self.eval_loss(), "epsilon": self.epsilon})  # type: ignore[dict-item]
+        while self.epoch < self.epochs and not self._budget_spent():
+            start = time.perf_counter()
+            clipped = []
+            bar = tqdm(self.loader, desc=f"{self.method} epoch {self.epoch + 1}/{self.epochs}",
+                       disable=not self.progress, leave=False)
+            for xa, xb in bar:
+                if self._budget_spent():  # a fixed sigma with a target may allow fewer steps than the epochs
+                    break
+                stats = self._step(xa, xb)
+                clipped.append(stats["clipped_fraction"])
+            self._wall += time.perf_counter() - start
+            self.epoch += 1
+            eps = self.epsilon
+            row = {"epoch": self.epoch, "eval_loss": self.eval_loss(), "epsilon": eps}
+            if self.log_train_stats:  # measured on the training pairs without noise: outside the guarantee
+                row["nonprivate_clipped_fraction"] = sum(clipped) / max(1, len(clipped))
+            self.history.append(row)  # type: ignore[arg-type]
+            if self.log:
+                loss_text = "n/a" if row["eval_loss"] is None else f"{row['eval_loss']:.4f}"
+                eps_text = "inf (non-private)" if eps is None else f"{eps:.3f}"
+                extra = (f", clipped {row['nonprivate_clipped_fraction']:.2f} (non-private statistic)"
+                         if self.log_train_stats else "")
+                self.log(f"[{self.method}] epoch {self.epoch}/{self.epochs}: held-out loss {loss_text}, "
+                         f"epsilon {eps_text}{extra}")
+            if self.checkpoint_path:
+                self.save_checkpoint(self.checkpoint_path)
+        return self.result()
+
+    def result(self) -> PretrainResult:
+        return PretrainResult(
+            method=self.method, loss=self.loss, tau=self.tau,
+            clip_norm=None if self.method == "nonprivate" else self.clip_norm,
+            epsilon=self.epsilon, delta=self.delta if self.accountant else None,
+            noise_multiplier=self.sigma, sensitivity=self.sensitivity, steps=self.steps, epochs=self.epoch,
+            expected_batch_size=self.batch_size, sample_rate=self.sample_rate,
+            sampling="poisson over pairs (add/remove one pair)",
+            accountant=self.accountant.mechanism if self.accountant else None,
+            **(randomness_label(self.noise_seed) if self.accountant else
+               {"private": False, "randomness": "n/a", "privacy_note": "non-private baseline: no guarantee"}),
+            wall_time_s=self._wall, history=list(self.history),
+        )
+
+    def _privacy_config(self) -> Dict[str, Any]:
+        return {"method": self.method, "sigma": self.sigma, "sensitivity": self.sensitivity,
+                "sample_rate": self.sample_rate, "delta": self.delta,
+                "accountant": self.accountant.mechanism if self.accountant else None,
+                "max_steps": self.plan.max_steps if self.accountant else None,
+                "randomness": randomness_label(self.noise_seed)["randomness"]}
+
+    def save_checkpoint(self, path: Union[str, Path]) -> None:
+        """Encoder, optimizer, progress, RNG states, augmentation state and the accountant's history (atomic,
+        checksummed: :mod:`clipless.train.checkpoint`)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "encoder": self.encoder.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "accountant": None if self.accountant is None else self.accountant.state_dict(),
+            "config": self._privacy_config(), "steps": self.steps, "epoch": self.epoch, "history": self.history,
+            "wall": self._wall, "noise_rng": self.noise_generator.get_state(),
+            "sampling_rng": self.loader.batch_sampler.generator.get_state(),  # type: ignore[union-attr]
+            "pairs": self.pairs.state_dict() if hasattr(self.pairs, "state_dict") else None,
+        }
+        save_checkpoint(state, path)
+
+    def load_checkpoint(self, path: Union[str, Path]) -> None:
+        """Resume; refuses a checkpoint without accountant state or with another privacy configuration."""
+        state = load_checkpoint(path)
+        if self.accountant is not None and not state.get("accountant"):
+            raise ValueError(f"checkpoint {path} has no accountant state: its privacy cost cannot be resumed")
+        saved = state.get("config") or {}
+        for key, mine in self._privacy_config().items():
+            if saved.get(key) != mine:
+                raise ValueError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, not {mine!r}: resume "
+                                 "with the same privacy configuration")
+        self.encoder.load_state_dict(state["encoder"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.accountant is not None:
+            self.accountant.load_state_dict(state["accountant"])
+        self.steps, self.epoch, self.history, self._wall = state["steps"], state["epoch"], state["history"], state["wall"]
+        self.noise_generator.set_state(state["noise_rng"])
+        self.loader.batch_sampler.generator.set_state(state["sampling_rng"])  # type: ignore[union-attr]
+        if state.get("pairs") is not None and hasattr(self.pairs, "load_state_dict"):
+            self.pairs.load_state_dict(state["pairs"])

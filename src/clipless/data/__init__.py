@@ -1,0 +1,19 @@
+"""Datasets (embedded digits, MNIST IDX files, tabular files) and fixed feature maps; nothing is downloaded."""
+
+from .datasets import (
+    ArrayDataset,
+    DataSplit,
+    check_finite,
+    clip_norm,
+    convert_colour_space,
+    input_norms,
+    load_dataset,
+    load_digits,
+    load_mnist,
+    load_tabular,
+    normalize_to_sphere,
+    read_idx,
+    signed_log1p,
+)
+
+__all__ = ["ArrayDataset", "DataSplit", "check_finite", "clip_norm", "convert_colour_space", "input_norms", "load_dataset", "load_digits", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p"]

@@ -1,0 +1,306 @@
+"""Datasets (embedded digits, MNIST IDX files, tabular .npz/.csv) and data-independent pre-processing.
+
+Loaders read from a directory the caller names; nothing is downloaded.
+Pre-processing here never looks at statistics of the data (spec §2: an input
+bound computed from the training data is a privacy leak).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = [
+    "ArrayDataset",
+    "DataSplit",
+    "load_digits",
+    "load_mnist",
+    "load_tabular",
+    "load_dataset",
+    "clip_norm",
+    "normalize_to_sphere",
+    "signed_log1p",
+    "COLOUR_SPACES",
+    "convert_colour_space",
+    "input_norms",
+    "check_finite",
+    "read_idx",
+]
+
+
+class ArrayDataset(Dataset):
+    """In-memory ``(features, labels)`` dataset; batches are gathered in one indexing op."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        if features.shape[0] != labels.shape[0]:
+            raise ValueError(f"{features.shape[0]} feature rows but {labels.shape[0]} labels")
+        check_finite(features, "features")
+        self.features, self.labels = features, labels
+
+    def __len__(self) -> int:
+        return int(self.features.shape[0])
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.features[index], self.labels[index]
+
+    def fingerprint(self) -> str:
+        """A digest of the records (features, labels, order): a resume on other data or another split is refused."""
+        digest = hashlib.blake2b(digest_size=16)
+        for tensor in (self.features, self.labels):
+            t = tensor.detach().cpu().contiguous()
+            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return digest.hexdigest()
+
+    def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch in one indexing operation (used by the Poisson loader)."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return self.features[idx], self.labels[idx]
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        return tuple(self.features.shape[1:])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.labels.max().item()) + 1
+
+
+@dataclass
+class DataSplit:
+    train: ArrayDataset
+    test: ArrayDataset
+    name: str
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        return self.train.input_shape
+
+    @property
+    def num_classes(self) -> int:
+        return max(self.train.num_classes, self.test.num_classes)
+
+
+def check_finite(x: Union[torch.Tensor, np.ndarray], what: str = "data") -> None:
+    """Raise if ``x`` holds NaN or infinite values (they would void every bound)."""
+    t = torch.as_tensor(x)
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{what} contains {bad} NaN or infinite values; clean the data before private training")
+
+
+def clip_norm(x: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale every example (row) to norm ``<= max_norm``."""
+    norms = torch.linalg.vector_norm(x.flatten(1), dim=1).clamp_min(1e-12)
+    factor = torch.clamp(max_norm / norms, max=1.0)
+    return x * factor.reshape((-1,) + (1,) * (x.dim() - 1))
+
+
+def normalize_to_sphere(x: torch.Tensor, radius: float = 1.0) -> torch.Tensor:
+    """Scale every non-zero example to norm exactly ``radius`` (zero rows stay zero)."""
+    norms = torch.linalg.vector_norm(x.flatten(1), dim=1)
+    factor = torch.where(norms > 0, radius / norms.clamp_min(1e-12), torch.zeros_like(norms))
+    return x * factor.reshape((-1,) + (1,) * (x.dim() - 1))
+
+
+def signed_log1p(x: torch.Tensor) -> torch.Tensor:
+    """``sign(x) log(1 + |x|)`` per feature: a fixed, data-independent squashing of heavy-tailed tabular features."""
+    return torch.sign(x) * torch.log1p(x.abs())
+
+
+COLOUR_SPACES = ("rgb", "hsv", "yuv", "grayscale")
+
+# ITU-R BT.601 luma and chroma weights (YUV), the usual analogue definition.
+_YUV = torch.tensor([[0.299, 0.587, 0.114], [-0.14713, -0.28886, 0.436], [0.615, -0.51499, -0.10001]])
+
+
+def convert_colour_space(x: torch.Tensor, space: str) -> torch.Tensor:
+    """Map RGB values in ``[0, 1]`` (channels on axis 1: ``(N, 3, ...)``) to ``space``, example by example.
+
+    A fixed per-pixel map, so it is data-independent pre-processing (spec §3.3).
+    It changes the distribution of input norms, hence how much an input-norm clip
+    discards and how large the first layer's gradient bound is.  ``hsv`` has all
+    three channels in ``[0, 1]`` (hue as a fraction of the turn); ``yuv`` is BT.601;
+    ``grayscale`` keeps one channel (the luma ``Y``).
+    """
+    if space not in COLOUR_SPACES:
+        raise ValueError(f"unknown colour space {space!r}; choose from {COLOUR_SPACES}")
+    if x.dim() < 2 or x.shape[1] != 3:
+        raise ValueError(f"expected RGB inputs with 3 channels on axis 1, got shape {tuple(x.shape)}")
+    check_finite(x, "images")
+    if space == "rgb":
+        return x
+    if space in ("yuv", "grayscale"):
+        weights = _YUV.to(x) if space == "yuv" else _YUV[:1].to(x)
+        return torch.einsum("oc,nc...->no...", weights, x)
+    r, g, b = x[:, 0], x[:, 1], x[:, 2]
+    maxc, minc = x.max(dim=1).values, x.min(dim=1).values
+    delta = maxc - minc
+    safe = torch.where(delta > 0, delta, torch.ones_like(delta))
+    hue = torch.where(maxc == r, torch.remainder((g - b) / safe, 6.0),
+                      torch.where(maxc == g, (b - r) / safe + 2.0, (r - g) / safe + 4.0))
+    hue = torch.where(delta > 0, hue / 6.0, torch.zeros_like(hue))
+    sat = torch.where(maxc > 0, delta / torch.where(maxc > 0, maxc, torch.ones_like(maxc)), torch.zeros_like(maxc))
+    return torch.stack((hue, sat, maxc), dim=1)
+
+
+def input_norms(x: torch.Tensor) -> torch.Tensor:
+    """Per-example L2 norms (what an input-norm clip compares with its radius)."""
+    return torch.linalg.vector_norm(x.flatten(1).to(torch.float64), dim=1)
+
+
+def _split(
+    x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, stratify: bool = True
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.model_selection import train_test_split
+
+    return train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y if stratify else None)
+
+
+def _to_dataset(x: np.ndarray, y: np.ndarray, shape: Optional[Sequence[int]] = None) -> ArrayDataset:
+    features = torch.as_tensor(np.ascontiguousarray(x), dtype=torch.float32)
+    if shape is not None:
+        features = features.reshape((-1,) + tuple(shape))
+    return ArrayDataset(features, torch.as_tensor(np.asarray(y), dtype=torch.long))
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplit:
+    """scikit-learn's embedded 8x8 digits (1,797 images), pixels scaled to [0, 1], shape (1, 8, 8)."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    bunch = sk_digits()
+    x = bunch.data.astype(np.float32) / 16.0
+    xtr, xte, ytr, yte = _split(x, bunch.target, test_fraction, seed)
+    return DataSplit(_to_dataset(xtr, ytr, (1, 8, 8)), _to_dataset(xte, yte, (1, 8, 8)), "digits")
+
+
+def read_idx(path: Union[str, Path]) -> np.ndarray:
+    """Read an IDX file (optionally gzip-compressed), as used by MNIST."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        with opener(path, "rb") as fh:  # type: ignore[operator]
+            raw = fh.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        raise ValueError(f"{path} is damaged ({err}); download it again") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise ValueError(f"{path} is not an IDX file")
+    dtype_code, ndim = raw[2], raw[3]
+    dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    if dtype_code not in dtypes:
+        raise ValueError(f"{path}: unknown IDX type code {dtype_code:#x}")
+    dims = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
+    data = np.frombuffer(raw, dtype=dtypes[dtype_code], offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: expected {int(np.prod(dims))} values, found {data.size}")
+    return data.reshape(dims)
+
+
+def _find(directory: Path, stem: str) -> Path:
+    for name in (stem + ".gz", stem, stem.replace("-idx", ".idx") + ".gz"):
+        if (directory / name).exists():
+            return directory / name
+    raise FileNotFoundError(f"no {stem}[.gz] in {directory}")
+
+
+def load_mnist(data_dir: Union[str, Path]) -> DataSplit:
+    """MNIST from the four original IDX files in ``data_dir``; pixels in [0, 1], shape (1, 28, 28)."""
+    d = Path(data_dir)
+    if not d.exists():
+        raise FileNotFoundError(f"MNIST directory {d} does not exist")
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d} is a file; give the directory that holds the four MNIST IDX files")
+    parts = []
+    for prefix in ("train", "t10k"):
+        image_file, label_file = _find(d, f"{prefix}-images-idx3-ubyte"), _find(d, f"{prefix}-labels-idx1-ubyte")
+        images, labels = read_idx(image_file), read_idx(label_file)
+        if images.ndim != 3 or images.shape[1:] != (28, 28):
+            raise ValueError(f"{image_file} holds images of shape {images.shape[1:]}, not 28 x 28: not MNIST")
+        if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
+            raise ValueError(f"{label_file} holds {labels.shape} labels for {images.shape[0]} images in {image_file}")
+        if labels.size and (labels.min() < 0 or labels.max() > 9):
+            raise ValueError(f"{label_file} holds labels outside 0-9 (e.g. {int(labels.max())}): the file is damaged "
+                             "or not MNIST's")
+        images = images.astype(np.float32) / 255.0
+        parts.append(_to_dataset(images, labels.astype(np.int64), (1, 28, 28)))
+    return DataSplit(parts[0], parts[1], "mnist")
+
+
+def load_tabular(
+    path: Union[str, Path],
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    label_column: Union[int, str] = -1,
+) -> DataSplit:
+    """A tabular set: ``.npz`` with arrays ``X`` and ``y``, or ``.csv`` (header allowed; label column given).
+
+    Split 80/20 stratified by default.  Features are not standardised here
+    (standardising with data statistics is not data-independent).
+    """
+    p = Path(path)
+    if p.suffix == ".npz":
+        with np.load(p, allow_pickle=False) as arrays:
+            if "X" not in arrays or "y" not in arrays:
+                raise ValueError(f"{p} must contain arrays 'X' and 'y'")
+            x, y = arrays["X"].astype(np.float64), arrays["y"]
+    elif p.suffix == ".csv":
+        with open(p) as fh:
+            header = fh.readline().strip().split(",")
+        has_header = any(not _is_number(h) for h in header)
+        table = np.genfromtxt(p, delimiter=",", skip_header=1 if has_header else 0, dtype=np.float64)
+        table = np.atleast_2d(table)
+        col = header.index(label_column) if isinstance(label_column, str) else label_column
+        y = table[:, col]
+        x = np.delete(table, col % table.shape[1], axis=1)
+    else:
+        raise ValueError(f"unsupported tabular file {p} (use .npz with X, y or .csv)")
+    if x.ndim != 2:
+        raise ValueError(f"X of {p.name} must be 2-D (records x features), got shape {x.shape}")
+    y = np.asarray(y)
+    if y.shape != (x.shape[0],):
+        raise ValueError(f"y of {p.name} must hold one label per record ({x.shape[0]}), got shape {y.shape}")
+    check_finite(x, f"features of {p.name}")
+    if y.dtype.kind == "f":
+        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+            raise ValueError(f"labels of {p.name} must be integers")
+    classes, y = np.unique(y.astype(np.int64), return_inverse=True)
+    if len(classes) < 2:
+        raise ValueError(f"{p.name} has a single class ({classes.tolist()}): there is nothing to classify")
+    counts = np.bincount(y)
+    if counts.min() < 2:
+        raise ValueError(f"class {classes[counts.argmin()]} of {p.name} has a single record: a stratified train/test "
+                         "split needs at least two per class")
+    xtr, xte, ytr, yte = _split(x.astype(np.float32), y, test_fraction, seed)
+    return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), p.stem)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: int = 0) -> DataSplit:
+    """``digits`` (embedded), ``mnist`` (directory of IDX files) or a path to a tabular file."""
+    if name == "digits":
+        return load_digits(seed=seed)
+    if name == "mnist":
+        if data_dir is None:
+            raise ValueError("MNIST needs --data-dir, a directory holding the IDX .gz files")
+        return load_mnist(data_dir)
+    candidate = Path(data_dir, name) if data_dir is not None else Path(name)
+    if candidate.suffix in (".npz", ".csv") and candidate.exists():
+        return load_tabular(candidate, seed=seed)
+    raise ValueError(f"unknown dataset {name!r}: use 'digits', 'mnist' or a .npz/.csv file" + (
+        f" ({candidate} not found)" if candidate.suffix in (".npz", ".csv") else ""))
+

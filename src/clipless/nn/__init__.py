@@ -1,0 +1,35 @@
+"""Lipschitz layers, losses and model builders, laid out like ``torch.nn`` (one file per layer family)."""
+
+from .clipping import AdaptiveLossGradientClip, LossGradientClip
+from .conv import LipschitzConv2d
+from .layers import (
+    GroupSort,
+    InputNormClip,
+    L2NormPool2d,
+    LayerCentering,
+    MaxMin,
+    Permute,
+    ScaledAvgPool2d,
+)
+from .linear import LipschitzLinear
+from .losses import (
+    BinaryCrossEntropyWithTemperature,
+    CrossEntropyWithTemperature,
+    KCosineSimilarity,
+    MulticlassHinge,
+    MulticlassHKR,
+    MulticlassKR,
+    TauCrossEntropy,
+)
+from .models import (
+    build_loss,
+    build_model,
+    build_optimizer,
+    lipschitz_cnn,
+    lipschitz_mixer,
+    lipschitz_mlp,
+    lipschitz_resnet,
+    lipschitz_vgg,
+)
+
+__all__ = ["AdaptiveLossGradientClip", "BinaryCrossEntropyWithTemperature", "CrossEntropyWithTemperature", "GroupSort", "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear", "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_model", "build_optimizer", "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg"]

@@ -1,0 +1,127 @@
+"""Loss-gradient clipping layers: fixed (``LossGradientClip``) and adaptive (a per-step mechanism), spec §3.3."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+
+from ..privacy.modules import BoundedModule, LayerBound, PerStepMechanism
+from .functional import broadcast_per_example, per_example_norm, positive_finite
+
+__all__ = ["LossGradientClip", "AdaptiveLossGradientClip"]
+
+
+class _ClipGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, max_norm: float, record: Optional[Callable[[torch.Tensor], None]] = None):  # type: ignore[override]
+        ctx.max_norm, ctx.record = max_norm, record
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        norms = per_example_norm(grad)
+        if ctx.record is not None:
+            ctx.record(norms)
+        factor = torch.clamp(ctx.max_norm / norms.clamp_min(1e-30), max=1.0)
+        return grad * broadcast_per_example(factor, grad), None, None
+
+
+class LossGradientClip(BoundedModule):
+    """Identity forward; backward clips each example's gradient to norm ``C`` (spec §3.3).
+
+    Placed after the logits it turns the loss bound ``L`` into ``min(L, C)``.
+    """
+
+    constants = ("max_norm",)
+
+    def __init__(self, max_norm: float) -> None:
+        super().__init__()
+        self.max_norm = positive_finite(max_norm, "max_norm")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ClipGrad.apply(x, self.max_norm)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound, grad_cap=self.max_norm)
+
+    def extra_repr(self) -> str:
+        return f"max_norm={self.max_norm}"
+
+
+class AdaptiveLossGradientClip(PerStepMechanism):
+    """Loss-gradient clipping whose norm ``C`` tracks a private quantile (Andrew et al., 2021).
+
+    Backward clips each example's logit gradient to ``C`` (so ``L <- min(L, C)``,
+    as :class:`LossGradientClip`) and counts the examples with
+    ``||grad_z l|| <= C``.  After each private step, :meth:`update_` releases
+    that count with Gaussian noise of std ``count_noise_multiplier`` (the count
+    has add/remove sensitivity 1) and moves ``C`` geometrically towards the
+    ``target_quantile``: ``C <- C exp(-lr (noisy_count / b - target_quantile))``
+    with ``b`` the expected batch size.  The count is a second Gaussian
+    mechanism on the same Poisson batch: the private optimizer composes it into
+    ``sigma_eff = (sigma^-2 + count_noise_multiplier^-2)^(-1/2)`` at every step
+    (spec §3.3-3.4).  ``C`` is a buffer, so checkpoints keep it.
+    """
+
+    constants = ("count_noise_multiplier", "target_quantile", "learning_rate")
+
+    def __init__(
+        self,
+        initial_norm: float,
+        count_noise_multiplier: float,
+        target_quantile: float = 0.5,
+        learning_rate: float = 0.2,
+    ) -> None:
+        super().__init__()
+        positive_finite(initial_norm, "initial_norm")
+        self.count_noise_multiplier = positive_finite(count_noise_multiplier, "count_noise_multiplier")
+        if not 0.0 < target_quantile < 1.0:
+            raise ValueError(f"target_quantile must be in (0, 1), got {target_quantile}")
+        self.target_quantile = float(target_quantile)
+        self.learning_rate = positive_finite(learning_rate, "learning_rate")
+        self.register_buffer("clip_norm", torch.tensor(float(initial_norm), dtype=torch.float64))
+        self._below = 0  # examples of the current step with ||grad_z l|| <= C
+        self._recording = True
+
+    @property
+    def max_norm(self) -> float:
+        return float(self.clip_norm)
+
+    def _record(self, norms: torch.Tensor) -> None:
+        if self._recording:
+            self._below += int((norms <= self.max_norm).sum())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ClipGrad.apply(x, self.max_norm, self._record)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound, grad_cap=self.max_norm)
+
+    @torch.no_grad()
+    def update_(self, expected_batch_size: float, generator: Optional[torch.Generator] = None) -> float:
+        """Release the noisy count of this step, update ``C``, reset the count; returns the noisy fraction."""
+        noise = torch.randn((), generator=generator, dtype=torch.float64, device=self.clip_norm.device)
+        fraction = (self._below + self.count_noise_multiplier * float(noise)) / expected_batch_size
+        self.clip_norm.mul_(math.exp(-self.learning_rate * (fraction - self.target_quantile)))
+        self._below = 0
+        return fraction
+
+    @contextlib.contextmanager
+    def counting_paused(self) -> Iterator[None]:
+        """Backward passes inside do not enter the count (diagnostics such as the tightness monitor)."""
+        previous, self._recording = self._recording, False
+        try:
+            yield
+        finally:
+            self._recording = previous
+
+    def extra_repr(self) -> str:
+        return (
+            f"clip_norm={self.max_norm:.4g}, target_quantile={self.target_quantile}, "
+            f"count_noise_multiplier={self.count_noise_multiplier}, learning_rate={self.learning_rate}"
+        )
+
+

@@ -1,0 +1,224 @@
+"""``LipschitzConv2d``: a convolution with a certified operator norm (reshaped-kernel or FFT bound, spec §2)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..privacy.certified import (
+    CERT_MARGIN,
+    BoundError,
+    CertifiedValueCache,
+    certified_norm,
+    certified_spectral_norm,
+)
+from ..privacy.modules import BoundedModule, LayerBound
+from .functional import check_projection, clip_norm_, project_matrix_
+
+__all__ = ["LipschitzConv2d"]
+
+
+def _pair(v: Union[int, Sequence[int]]) -> Tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    a, b = v
+    return (int(a), int(b))
+
+
+class LipschitzConv2d(BoundedModule):
+    """2-D convolution with a certified operator-norm bound (spec §2, §2.1).
+
+    With ``W_mat`` the kernel reshaped to ``(c_out, c_in k_h k_w)`` and ``s`` the
+    largest number of (patch, kernel offset) pairs that read one input pixel
+    (counted exactly for the input size; at most ``ceil(k_h/stride) *
+    ceil(k_w/stride)`` with zero padding, more with circular padding on small
+    inputs where patches wrap around): the unfold map ``U`` has
+    ``U^T U = diag(counts)``, so ``||conv|| <= ||U|| ||W_mat||_2 = sqrt(s) ||W_mat||_2``,
+    weight factor ``sqrt(s) X``, bias factor ``sqrt(P)`` and output bound
+    ``+ sqrt(P)||b||`` for ``P`` output positions.  This reshaped-kernel bound
+    is valid for every stride/padding but loose; projections keep
+    ``sqrt(s) ||W_mat||_2 <= 1``.
+    """
+
+    constants = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "padding_mode", "operator_norm",
+                 "projection", "bias_bound", "overlap")
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Union[int, Sequence[int]] = 3,
+        stride: int = 1,
+        padding: Union[int, str] = "same",
+        padding_mode: str = "zeros",
+        bias: bool = False,
+        bias_bound: float = 1.0,
+        projection: str = "spectral",
+        bjorck_iters: int = 30,
+        operator_norm: str = "reshaped",
+    ) -> None:
+        super().__init__()
+        if operator_norm not in ("reshaped", "fft"):
+            raise ValueError("operator_norm must be 'reshaped' or 'fft'")
+        self.operator_norm = operator_norm
+        kh, kw = _pair(kernel_size)
+        if padding == "same":
+            if stride != 1 or kh % 2 == 0 or kw % 2 == 0:
+                raise ValueError("padding='same' needs stride 1 and odd kernel sizes")
+            pad: Tuple[int, int] = (kh // 2, kw // 2)
+        elif isinstance(padding, int):
+            pad = (padding, padding)
+        else:
+            raise ValueError(f"padding must be an int or 'same', got {padding!r}")
+        if padding_mode not in ("zeros", "circular"):
+            raise ValueError("padding_mode must be 'zeros' or 'circular'")
+        if stride < 1:
+            raise ValueError("stride must be >= 1")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.padding, self.padding_mode = (kh, kw), stride, pad, padding_mode
+        self.projection = check_projection(projection)
+        self.bjorck_iters = bjorck_iters
+        self.bias_bound = float(bias_bound)
+        # Shape-free default used until the input size is seen (exact for zero padding on large inputs).
+        self.overlap = math.ceil(kh / stride) * math.ceil(kw / stride)
+        self._spatial: Optional[Tuple[int, int]] = None
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kh, kw))
+        nn.init.orthogonal_(self.weight.view(out_channels, -1))
+        with torch.no_grad():
+            self.weight.div_(math.sqrt(self.overlap))
+        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
+        self._norm_cache = CertifiedValueCache()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._spatial = (int(x.shape[-2]), int(x.shape[-1]))
+        if self.padding_mode == "circular":
+            ph, pw = self.padding
+            x = F.pad(x, (pw, pw, ph, ph), mode="circular")
+            return F.conv2d(x, self.weight, self.bias, stride=self.stride)
+        return F.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding)
+
+    def _kernel_matrix(self) -> torch.Tensor:
+        return self.weight.reshape(self.out_channels, -1)
+
+    def output_positions(self, in_shape: Tuple[int, ...]) -> int:
+        """Number ``P`` of output positions for a per-example input shape ``(C, H, W)``."""
+        return self.output_size(in_shape[-2], 0) * self.output_size(in_shape[-1], 1)
+
+    def overlap_for(self, in_shape: Tuple[int, ...]) -> int:
+        """Exact ``s``: max over input pixels of the number of (patch, offset) pairs reading it."""
+        h, w = in_shape[-2], in_shape[-1]
+        circular = self.padding_mode == "circular"
+        return _max_reads(h, self.kernel_size[0], self.stride, self.padding[0], circular) * _max_reads(
+            w, self.kernel_size[1], self.stride, self.padding[1], circular
+        )
+
+    def fft_operator_norm(self, in_shape: Tuple[int, ...]) -> float:
+        """Certified operator norm from the exact singular values of a circular convolution (Sedghi et al.).
+
+        Zero padding: the layer is crop o (circular conv on the padded size
+        ``n + 2p``) o zero-embedding, and striding is a sub-sampling, both of
+        norm <= 1.  Circular padding on the input size ``n``, times
+        ``sqrt(m)`` where ``m`` counts outputs that repeat one another when
+        the output is longer than the input.  Computed in float64.
+        """
+        h, w = in_shape[-2], in_shape[-1]
+        (kh, kw), (ph, pw), st = self.kernel_size, self.padding, self.stride
+        circular = self.padding_mode == "circular"
+        nh, nw = (h, w) if circular else (h + 2 * ph, w + 2 * pw)
+        kernel = self.weight.detach().to(torch.float64)
+        full = torch.zeros(self.out_channels, self.in_channels, nh, nw, dtype=torch.float64, device=kernel.device)
+        for i in range(kh):
+            for j in range(kw):
+                full[:, :, i % nh, j % nw] += kernel[:, :, i, j]
+        spectrum = torch.fft.fft2(full).permute(2, 3, 0, 1).reshape(nh * nw, self.out_channels, self.in_channels)
+        norm = torch.linalg.matrix_norm(spectrum, ord=2).max().item()
+        if not math.isfinite(norm):
+            raise BoundError("convolution kernel contains NaN or infinite values")
+        repeats = 1
+        if circular:
+            repeats = _max_repeats(h, self.output_size(h, 0), st) * _max_repeats(w, self.output_size(w, 1), st)
+        return norm * math.sqrt(repeats) * (1 + 1e-7)
+
+    def output_size(self, n: int, dim: int) -> int:
+        """Output length along spatial ``dim`` (0: height, 1: width) for input length ``n``."""
+        return (n + 2 * self.padding[dim] - self.kernel_size[dim]) // self.stride + 1
+
+    def certified_lipschitz(self, in_shape: Tuple[int, ...]) -> float:
+        """``l``: ``sqrt(s) ||W_mat||_2`` (the reshaped-kernel bound), or with ``operator_norm='fft'`` the
+        smaller of it and the FFT bound (both certified; the FFT bound ignores striding, so for strided
+        convolutions the reshaped bound can be the tighter one).  Cached per exact weights."""
+        key = (self.operator_norm, tuple(in_shape[-2:]))
+        cached = self._norm_cache.get(self.weight, key)
+        if cached is not None:
+            return cached
+        value = math.sqrt(self.overlap_for(in_shape)) * certified_spectral_norm(self._kernel_matrix())
+        if self.operator_norm == "fft":
+            value = min(value, self.fft_operator_norm(in_shape))
+        return self._norm_cache.put(self.weight, key, value)
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        if self.operator_norm == "fft" and self._spatial is not None:
+            # spectral normalisation to operator norm 1 (norm preserving, like orthogonal dense layers)
+            shape = self._spatial
+            norm = self.certified_lipschitz(shape)
+            frobenius = torch.linalg.vector_norm(self.weight.detach().to(torch.float64)).item()
+            self.weight.div_(norm)
+            # The stored kernel is W/norm + E with |E| <= 2 eps |W|/norm elementwise (rounding of the
+            # division, or of a reciprocal multiplication, and of norm itself), so its operator norm is
+            # at most 1 + sqrt(s) ||E||_F (reshaped-kernel bound applied to the linear map of E).
+            # This certifies the projected weights without a second FFT per step.
+            rounding = 2 * torch.finfo(self.weight.dtype).eps * frobenius / norm
+            self._norm_cache.put(self.weight, ("fft", tuple(shape)),
+                                 (1.0 + math.sqrt(self.overlap_for(shape)) * rounding) * CERT_MARGIN)
+        else:
+            overlap = self.overlap_for(self._spatial) if self._spatial is not None else self.overlap
+            matrix = project_matrix_(self._kernel_matrix(), self.projection, math.sqrt(overlap), self.bjorck_iters)
+            self.weight.copy_(matrix.reshape(self.weight.shape))
+        if self.bias is not None:
+            clip_norm_(self.bias, self.bias_bound)
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        root_s = math.sqrt(self.overlap_for(in_shape))
+        lip = self.certified_lipschitz(in_shape)
+        factors = {"weight": root_s * x_bound}
+        bias_term = 0.0
+        if self.bias is not None:
+            root_p = math.sqrt(self.output_positions(in_shape))
+            factors["bias"] = root_p
+            bias_term = root_p * certified_norm(self.bias)
+        return LayerBound(lipschitz=lip, out_bound=lip * x_bound + bias_term, param_factors=factors)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, padding_mode={self.padding_mode}, bias={self.bias is not None}"
+        )
+
+
+def _max_reads(n: int, k: int, stride: int, pad: int, circular: bool) -> int:
+    """1-D: the most times one of ``n`` input positions is read by ``k``-wide patches (zero or circular padding)."""
+    n_out = (n + 2 * pad - k) // stride + 1
+    counts = [0] * n
+    for p in range(max(n_out, 0)):
+        for o in range(k):
+            j = p * stride + o - pad
+            if circular:
+                counts[j % n] += 1
+            elif 0 <= j < n:
+                counts[j] += 1
+    return max(max(counts), 1)
+
+
+def _max_repeats(n: int, n_out: int, stride: int) -> int:
+    """Circular padding: the most outputs (of ``n_out``) that start at the same input position mod ``n``."""
+    counts: dict = {}
+    for i in range(n_out):
+        counts[(i * stride) % n] = counts.get((i * stride) % n, 0) + 1
+    return max(counts.values(), default=1)
+
+

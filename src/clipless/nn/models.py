@@ -1,0 +1,285 @@
+"""Model builders made only of bounded layers, and the loss registry used by the CLI."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..privacy.modules import LipschitzLoss, Residual
+from .conv import LipschitzConv2d
+from .layers import (
+    GroupSort,
+    InputNormClip,
+    L2NormPool2d,
+    LayerCentering,
+    MaxMin,
+    Permute,
+    ScaledAvgPool2d,
+)
+from .linear import LipschitzLinear
+from .losses import (
+    BinaryCrossEntropyWithTemperature,
+    CrossEntropyWithTemperature,
+    KCosineSimilarity,
+    MulticlassHinge,
+    MulticlassHKR,
+    MulticlassKR,
+    TauCrossEntropy,
+)
+
+__all__ = [
+    "lipschitz_mlp",
+    "lipschitz_cnn",
+    "lipschitz_vgg",
+    "lipschitz_resnet",
+    "lipschitz_mixer",
+    "build_model",
+    "build_loss",
+    "build_optimizer",
+    "MODELS",
+    "LOSSES",
+]
+
+
+def _activation(name: str, dim: int = 1) -> nn.Module:
+    if name == "maxmin":
+        return MaxMin(dim)
+    if name.startswith("groupsort"):
+        return GroupSort(int(name[len("groupsort") :] or 2), dim)
+    raise ValueError(f"unknown activation {name!r} (maxmin, groupsort4, ...)")
+
+
+def lipschitz_mlp(
+    input_shape: Sequence[int],
+    num_classes: int,
+    hidden: Sequence[int] = (256, 256),
+    input_clip: Optional[float] = None,
+    activation: str = "maxmin",
+    projection: str = "bjorck",
+    bias: bool = False,
+    input_pool: int = 1,
+) -> nn.Sequential:
+    """``[InputNormClip] -> [ScaledAvgPool2d] -> Flatten -> (LipschitzLinear -> MaxMin)* -> LipschitzLinear``.
+
+    1-Lipschitz.  ``input_pool=k`` first sums disjoint ``k x k`` pixel windows
+    (scaled by ``1/k``, a fixed 1-Lipschitz map): ``k^2`` times fewer weights
+    in the first layer, hence less noise.
+    """
+    layers: list = []
+    if input_clip is not None:
+        layers.append(InputNormClip(input_clip))
+    shape = tuple(input_shape)
+    if input_pool > 1:
+        if len(shape) != 3:
+            raise ValueError("input_pool needs image inputs (C, H, W)")
+        layers.append(ScaledAvgPool2d(input_pool))
+        shape = (shape[0], shape[1] // input_pool, shape[2] // input_pool)
+    layers.append(nn.Flatten())
+    width = math.prod(shape)
+    for h in hidden:
+        layers += [LipschitzLinear(width, h, bias=bias, projection=projection), _activation(activation)]
+        width = h
+    layers.append(LipschitzLinear(width, num_classes, bias=bias, projection=projection))
+    return nn.Sequential(*layers)
+
+
+def _stem(input_shape: Sequence[int], input_clip: Optional[float], input_pool: int) -> Tuple[list, int, int, int]:
+    c, h, w = input_shape
+    layers: list = []
+    if input_clip is not None:
+        layers.append(InputNormClip(input_clip))
+    if input_pool > 1:
+        layers.append(ScaledAvgPool2d(input_pool))
+        h, w = h // input_pool, w // input_pool
+    return layers, c, h, w
+
+
+def _dense_head(width: int, hidden: Sequence[int], num_classes: int, activation: str) -> list:
+    layers: list = [nn.Flatten()]
+    for units in hidden:
+        layers += [LipschitzLinear(width, units), _activation(activation)]
+        width = units
+    layers.append(LipschitzLinear(width, num_classes))
+    return layers
+
+
+def lipschitz_cnn(
+    input_shape: Sequence[int],
+    num_classes: int,
+    channels: Sequence[int] = (16, 32),
+    hidden: Sequence[int] = (),
+    input_clip: Optional[float] = None,
+    activation: str = "maxmin",
+    kernel_size: int = 3,
+    pool: int = 2,
+    projection: str = "spectral",
+    input_pool: int = 1,
+    operator_norm: str = "fft",
+) -> nn.Sequential:
+    """``[ScaledAvgPool2d] -> (conv -> MaxMin -> L2NormPool)* -> Flatten -> dense``; every block 1-Lipschitz.
+
+    Convolutions use the exact FFT operator-norm bound by default (``operator_norm='reshaped'``
+    for the looser ``sqrt(s) ||W_mat||`` bound).
+    """
+    layers, c, h, w = _stem(input_shape, input_clip, input_pool)
+    for ch in channels:
+        conv = LipschitzConv2d(c, ch, kernel_size, projection=projection, operator_norm=operator_norm)
+        layers += [conv, _activation(activation)]
+        if pool > 1 and h >= pool and w >= pool:
+            layers.append(L2NormPool2d(pool))
+            h, w = h // pool, w // pool
+        c = ch
+    return nn.Sequential(*layers, *_dense_head(c * h * w, hidden, num_classes, activation))
+
+
+def lipschitz_vgg(
+    input_shape: Sequence[int],
+    num_classes: int,
+    channels: Sequence[int] = (16, 32),
+    convs_per_stage: int = 2,
+    hidden: Sequence[int] = (),
+    input_clip: Optional[float] = None,
+    activation: str = "groupsort2",
+    kernel_size: int = 3,
+    input_pool: int = 1,
+    operator_norm: str = "fft",
+) -> nn.Sequential:
+    """VGG-style: stages of ``convs_per_stage x (conv -> GroupSort)`` then ``L2NormPool2d(2)``; dense head.
+
+    Every conv has operator norm <= 1 (certified, FFT bound by default), GroupSort
+    and L2-norm pooling are 1-Lipschitz, so the product rule gives ``l <= 1``.
+    """
+    layers, c, h, w = _stem(input_shape, input_clip, input_pool)
+    for ch in channels:
+        for _ in range(convs_per_stage):
+            layers += [LipschitzConv2d(c, ch, kernel_size, operator_norm=operator_norm), _activation(activation)]
+            c = ch
+        if h >= 2 and w >= 2:
+            layers.append(L2NormPool2d(2))
+            h, w = h // 2, w // 2
+    return nn.Sequential(*layers, *_dense_head(c * h * w, hidden, num_classes, activation))
+
+
+def lipschitz_resnet(
+    input_shape: Sequence[int],
+    num_classes: int,
+    channels: Sequence[int] = (16, 32),
+    blocks_per_stage: int = 1,
+    hidden: Sequence[int] = (),
+    input_clip: Optional[float] = None,
+    activation: str = "maxmin",
+    kernel_size: int = 3,
+    input_pool: int = 1,
+    operator_norm: str = "fft",
+) -> nn.Sequential:
+    """ResNet-style: per stage a conv to the new width, ``blocks_per_stage`` residual blocks
+    ``y = (x + h(x))/2`` with ``h = conv -> act -> conv``, then ``L2NormPool2d(2)``.
+
+    The bound engine treats each block as split + merge: ``l <= 1/2 + l_h/2 <= 1``
+    and parameters inside ``h`` see the gradient bound ``G/2`` (spec §2).
+    """
+    layers, c, h, w = _stem(input_shape, input_clip, input_pool)
+    for ch in channels:
+        layers += [LipschitzConv2d(c, ch, kernel_size, operator_norm=operator_norm), _activation(activation)]
+        c = ch
+        for _ in range(blocks_per_stage):
+            branch = nn.Sequential(
+                LipschitzConv2d(c, c, kernel_size, operator_norm=operator_norm),
+                _activation(activation),
+                LipschitzConv2d(c, c, kernel_size, operator_norm=operator_norm),
+            )
+            layers.append(Residual(branch))
+        if h >= 2 and w >= 2:
+            layers.append(L2NormPool2d(2))
+            h, w = h // 2, w // 2
+    return nn.Sequential(*layers, *_dense_head(c * h * w, hidden, num_classes, activation))
+
+
+def lipschitz_mixer(
+    input_shape: Sequence[int],
+    num_classes: int,
+    patch_size: int = 7,
+    channels: int = 64,
+    blocks: int = 2,
+    token_hidden: int = 32,
+    channel_hidden: int = 128,
+    hidden: Sequence[int] = (),
+    input_clip: Optional[float] = None,
+    activation: str = "maxmin",
+    input_pool: int = 1,
+) -> nn.Sequential:
+    """MLP-Mixer: patch embedding, then blocks of token mixing and channel mixing, each a residual
+    ``y = (x + h(x))/2`` whose branch centers every token over its channels (per example) and applies a
+    1-Lipschitz MLP along one axis.
+
+    Patch embedding is a conv with kernel = stride = patch (disjoint patches: ``s = 1``). Token and
+    channel mixing are dense maps on disjoint slices of the ``(tokens, channels)`` array: ``l = ||W||``,
+    weight factor ``X`` (spec §2), the same constants as a dense layer.
+    """
+    layers, c, h, w = _stem(input_shape, input_clip, input_pool)
+    if h % patch_size or w % patch_size:
+        raise ValueError(f"image {h}x{w} is not divisible into {patch_size}x{patch_size} patches")
+    tokens = (h // patch_size) * (w // patch_size)
+    layers += [
+        LipschitzConv2d(c, channels, patch_size, stride=patch_size, padding=0),
+        nn.Flatten(2),  # (channels, tokens)
+        Permute(2, 1),  # (tokens, channels)
+    ]
+
+    def mlp(width: int, inner: int) -> list:
+        return [LipschitzLinear(width, inner), _activation_last(activation), LipschitzLinear(inner, width)]
+
+    for _ in range(blocks):
+        token_mixing = nn.Sequential(LayerCentering(dims=-1), Permute(2, 1), *mlp(tokens, token_hidden), Permute(2, 1))
+        channel_mixing = nn.Sequential(LayerCentering(dims=-1), *mlp(channels, channel_hidden))
+        layers += [Residual(token_mixing), Residual(channel_mixing)]
+    return nn.Sequential(*layers, *_dense_head(tokens * channels, hidden, num_classes, activation))
+
+
+def _activation_last(name: str) -> nn.Module:
+    """The activation grouping features along the last axis (dense maps on ``(tokens, channels)`` arrays)."""
+    return _activation(name, dim=-1)
+
+
+MODELS: Dict[str, Callable[..., nn.Module]] = {
+    "mlp": lipschitz_mlp,
+    "cnn": lipschitz_cnn,
+    "vgg": lipschitz_vgg,
+    "resnet": lipschitz_resnet,
+    "mixer": lipschitz_mixer,
+}
+
+
+def build_model(name: str, input_shape: Tuple[int, ...], num_classes: int, **kwargs: Any) -> nn.Module:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    return MODELS[name](input_shape, num_classes, **kwargs)
+
+
+LOSSES: Dict[str, Callable[..., LipschitzLoss]] = {
+    "tau_ce": lambda k, **kw: TauCrossEntropy(**kw),
+    "ce": lambda k, **kw: CrossEntropyWithTemperature(**kw),
+    "bce": lambda k, **kw: BinaryCrossEntropyWithTemperature(**kw),
+    "hinge": lambda k, **kw: MulticlassHinge(k, **kw),
+    "kr": lambda k, **kw: MulticlassKR(k, **kw),
+    "hkr": lambda k, **kw: MulticlassHKR(k, **kw),
+    "kcosine": lambda k, **kw: KCosineSimilarity(**kw),
+}
+
+
+def build_optimizer(params: Iterable[nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
+    """``adam``, or ``sgd`` with momentum 0.9: the same choice for clipless, DP-SGD and non-private runs."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r} (adam, sgd)")
+
+
+def build_loss(name: str, num_classes: int, **kwargs: Any) -> LipschitzLoss:
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose from {sorted(LOSSES)}")
+    return LOSSES[name](num_classes, **kwargs)

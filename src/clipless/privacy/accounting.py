@@ -1,0 +1,211 @@
+"""Privacy accounting for Poisson-subsampled Gaussian steps (spec §1, §3.4), on ``dp-accounting``.
+
+A step releases the noisy sum of per-example gradients of a Poisson batch
+(rate ``q``) under add/remove-one neighbours: a ``PoissonSampled(Gaussian(sigma_eff))``
+event.  Per-layer noise with multipliers ``sigma_d`` on the same batch is one
+Gaussian mechanism with ``sigma_eff = (sum_d sigma_d^-2)^-1/2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Sequence
+
+import dp_accounting
+from dp_accounting import pld, rdp
+
+__all__ = [
+    "PrivacyAccountant",
+    "effective_noise_multiplier",
+    "gradient_noise_multiplier",
+    "compute_epsilon",
+    "calibrate_noise_multiplier",
+    "calibrate_steps",
+    "check_delta",
+]
+
+ACCOUNTANTS = ("pld", "rdp")
+
+
+def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
+    """``sigma_eff = (sum_d sigma_d^-2)^(-1/2)``: Gaussian mechanisms on one batch composed (spec §3.4)."""
+    if len(noise_multipliers) == 0:
+        raise ValueError("no noise multipliers given")
+    if any(not (s > 0) for s in noise_multipliers):
+        raise ValueError(f"noise multipliers must be positive, got {list(noise_multipliers)}")
+    return sum(s**-2 for s in noise_multipliers) ** -0.5
+
+
+def gradient_noise_multiplier(step_sigma: float, other_sigmas: Sequence[float]) -> float:
+    """The ``sigma`` left for the gradient when other Gaussian mechanisms share the step (inverse of the rule above).
+
+    ``sigma^-2 = sigma_eff^-2 - sum_k sigma_k^-2``; raises when the others alone already exceed the budget.
+    """
+    rest = step_sigma**-2 - sum(s**-2 for s in other_sigmas)
+    if not rest > 0:
+        raise ValueError(
+            f"the other mechanisms of the step (noise multipliers {list(other_sigmas)}) already spend the whole "
+            f"budget of sigma_eff={step_sigma:.4g}: raise their noise multipliers"
+        )
+    return rest**-0.5
+
+
+def check_delta(delta: float, dataset_size: int) -> None:
+    """Refuse ``delta`` outside ``(0, 1/N)``: larger deltas permit releasing a record outright."""
+    if not (0 < delta < 1.0 / dataset_size):
+        raise ValueError(
+            f"delta={delta} must satisfy 0 < delta < 1/N = {1.0 / dataset_size:.3g} for a dataset of "
+            f"N={dataset_size} records"
+        )
+
+
+def _new_accountant(kind: str) -> dp_accounting.PrivacyAccountant:
+    if kind == "pld":
+        return pld.PLDAccountant()
+    if kind == "rdp":
+        return rdp.RdpAccountant()
+    raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
+
+
+def _step_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
+    if not (0 < sample_rate <= 1):
+        raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+    if not (noise_multiplier > 0):
+        raise ValueError(f"noise multiplier must be positive, got {noise_multiplier}")
+    event = dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
+    return dp_accounting.SelfComposedDpEvent(event, int(steps))
+
+
+@dataclass
+class _Entry:
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+
+class PrivacyAccountant:
+    """Composes Poisson-subsampled Gaussian steps; ``get_epsilon(delta)`` like Opacus.
+
+    ``history`` is a list of ``(noise_multiplier, sample_rate, steps)``;
+    consecutive identical steps are merged, so PLD composition stays fast.
+    """
+
+    def __init__(self, mechanism: str = "pld") -> None:
+        _new_accountant(mechanism)  # validates the name
+        self.mechanism = mechanism
+        self._history: List[_Entry] = []
+
+    @property
+    def history(self) -> List[tuple]:
+        return [(e.noise_multiplier, e.sample_rate, e.steps) for e in self._history]
+
+    @property
+    def steps(self) -> int:
+        return sum(e.steps for e in self._history)
+
+    def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        _step_event(noise_multiplier, sample_rate, steps)  # validates
+        last = self._history[-1] if self._history else None
+        if last and last.noise_multiplier == noise_multiplier and last.sample_rate == sample_rate:
+            last.steps += steps
+        else:
+            self._history.append(_Entry(float(noise_multiplier), float(sample_rate), int(steps)))
+
+    def dp_event(self) -> dp_accounting.DpEvent:
+        return dp_accounting.ComposedDpEvent(
+            [_step_event(e.noise_multiplier, e.sample_rate, e.steps) for e in self._history]
+        )
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon of everything composed so far at ``delta`` (0 before any step)."""
+        if not self._history:
+            return 0.0
+        accountant = _new_accountant(self.mechanism)
+        accountant.compose(self.dp_event())
+        return float(accountant.get_epsilon(delta))
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"mechanism": self.mechanism, "history": self.history}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if "history" not in state or "mechanism" not in state:
+            raise ValueError("accountant state must contain 'mechanism' and 'history'")
+        self.mechanism = state["mechanism"]
+        self._history = [_Entry(float(s), float(q), int(n)) for s, q, n in state["history"]]
+
+
+def compute_epsilon(
+    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "pld"
+) -> float:
+    """Epsilon of ``steps`` Poisson-subsampled Gaussian steps."""
+    acc = PrivacyAccountant(accountant)
+    if steps > 0:
+        acc.step(noise_multiplier, sample_rate, steps)
+    return acc.get_epsilon(delta)
+
+
+def _bisect(feasible: Callable[[float], bool], lo: float, hi: float, tol: float) -> float:
+    """Smallest ``x`` in ``[lo, hi]`` (to ``tol`` relative) with ``feasible(x)``; ``feasible(hi)`` must hold."""
+    while hi - lo > tol * hi:
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "pld",
+    tol: float = 1e-3,
+) -> float:
+    """Smallest ``sigma`` (to relative ``tol``) whose epsilon is ``<= target_epsilon``.
+
+    Bisection that only ever returns a feasible point (spec §6: never above target).
+    """
+    if target_epsilon <= 0:
+        raise ValueError("target epsilon must be positive")
+
+    def feasible(sigma: float) -> bool:
+        return compute_epsilon(sigma, sample_rate, steps, delta, accountant) <= target_epsilon
+
+    hi = 1.0
+    while not feasible(hi):
+        hi *= 2.0
+        if hi > 1e6:
+            raise ValueError("no noise multiplier reaches the target epsilon")
+    lo = hi / 2.0 if hi > 1.0 else 0.0
+    return _bisect(feasible, lo, hi, tol)
+
+
+def calibrate_steps(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    noise_multiplier: float,
+    accountant: str = "pld",
+    max_steps: int = 10_000_000,
+) -> int:
+    """Largest number of steps whose epsilon is ``<= target_epsilon`` (0 if even one step exceeds it)."""
+
+    def feasible(steps: int) -> bool:
+        return compute_epsilon(noise_multiplier, sample_rate, steps, delta, accountant) <= target_epsilon
+
+    if not feasible(1):
+        return 0
+    lo, hi = 1, 2
+    while feasible(hi):
+        lo, hi = hi, hi * 2
+        if hi > max_steps:
+            return max_steps
+    while hi - lo > 1:  # invariant: feasible(lo), not feasible(hi)
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,329 @@
+"""Backpropagation for bounds (spec §2): per-example gradient bounds of every layer.
+
+Every leaf layer declares, for an input-norm bound ``X``, a :class:`LayerBound`:
+its Lipschitz constant ``l`` (certified for the current weights), an output-norm
+bound, and for each parameter tensor a factor ``c`` such that the per-example
+gradient of that tensor satisfies ``||grad|| <= G_out * c`` whenever the
+gradient of the loss w.r.t. the layer output has norm ``<= G_out``.
+The engine runs
+
+    X_d = out_bound_d(X_{d-1})                  (forward)
+    g_d = G_d * c_d                             (per parameter tensor)
+    G_{d-1} = l_d * min(G_d, cap_d)             (backward)
+
+over ``nn.Sequential`` and :class:`~clipless.privacy.modules.Residual` graphs, starting
+from ``G_D = L`` (loss Lipschitz constant w.r.t. the logits).  The bound ``g_d``
+of a layer is the root-sum-square of its tensors' bounds; it is the
+add/remove sensitivity of that layer's summed gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .certified import BoundError
+from .modules import BoundedModule, LayerBound, Residual
+
+__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "global_hooks_registered", "module_hooks"]
+
+# Stateless torch layers whose constants are exact: l = 1 and ||f(x)|| <= ||x||.
+_PARAMETER_FREE_1LIP: Tuple[type, ...] = (nn.Flatten, nn.Unflatten, nn.Identity, nn.ReLU)
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    """Per-example gradient bound of one layer (its trainable tensors together)."""
+
+    name: str
+    params: Tuple[nn.Parameter, ...]
+    tensor_bounds: Tuple[float, ...]
+    input_bound: float
+    grad_out_bound: float
+
+    @property
+    def bound(self) -> float:
+        """``g_d``: root-sum-square of the layer's tensor bounds."""
+        return math.sqrt(sum(b * b for b in self.tensor_bounds))
+
+
+@dataclass(frozen=True)
+class BoundReport:
+    """Result of one backpropagation for bounds."""
+
+    layers: Tuple[LayerSensitivity, ...]
+    input_bound: float
+    output_bound: float
+    loss_lipschitz: float
+
+    @property
+    def global_sensitivity(self) -> float:
+        """``Delta = sqrt(sum_d g_d^2)``: sensitivity of the whole summed gradient."""
+        return math.sqrt(sum(layer.bound**2 for layer in self.layers))
+
+    def as_dict(self) -> Dict[str, float]:
+        return {layer.name: layer.bound for layer in self.layers}
+
+
+def global_hooks_registered() -> bool:
+    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_*``) exist."""
+    from torch.nn.modules import module as _module
+
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks)
+
+
+def module_hooks(module: nn.Module) -> List[Any]:
+    """The module's own forward/backward hooks, except the private step's guards (which only refuse)."""
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    hooks += list(module._backward_hooks.values()) + list(getattr(module, "_backward_pre_hooks", {}).values())
+    return [h for h in hooks if not getattr(h, "is_clipless_guard", False)]
+
+
+def _check_forward_matches_bounds(cls: type, name: str) -> None:
+    """A subclass that changes ``forward`` but inherits ``layer_bound`` declares bounds for another function."""
+    forward_owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
+    bound_owner = next(c for c in cls.__mro__ if "layer_bound" in c.__dict__)
+    if bound_owner is BoundedModule or not issubclass(bound_owner, forward_owner):
+        raise BoundError(f"layer '{name}' ({cls.__name__}) defines forward in {forward_owner.__name__} but its bounds "
+                         f"in {bound_owner.__name__}: a layer that changes forward must declare its own layer_bound()")
+
+
+class BoundEngine:
+    """Backpropagation for bounds over a model (spec §2).
+
+    Construction validates the model once: every leaf must declare bounds,
+    every trainable parameter must be covered, no module may be used twice.
+    :meth:`compute` then gives certified per-layer bounds for the current
+    weights; call it at every step (weights change).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_shape: Sequence[int],
+        input_bound: float,
+        loss: Any,
+    ) -> None:
+        """``loss``: the loss (anything with ``lipschitz``, checked against the model's output shape through
+        its ``check_output_shape`` when it has one), or its Lipschitz constant ``L`` as a number."""
+        if not (input_bound > 0 and math.isfinite(input_bound)):
+            raise BoundError(
+                f"input bound must be a positive finite number, got {input_bound}; "
+                "add an InputNormClip layer or pass input_bound"
+            )
+        self.loss = loss if hasattr(loss, "lipschitz") else None
+        self._fixed_lipschitz = None if self.loss is not None else float(loss)
+        self.loss_lipschitz  # validates
+        self.model = model
+        self.input_shape = tuple(int(s) for s in input_shape)
+        self.input_bound = float(input_bound)
+        self._names = {id(m): n for n, m in model.named_modules()}
+        self._leaves: List[nn.Module] = []
+        self._collect_leaves(model)
+        self._check_parameters_covered()
+        self._check_known_forwards()
+        self._in_shapes, self.output_shape = self._probe_shapes()
+        check = getattr(self.loss, "check_output_shape", None)
+        if check is not None:
+            check(self.output_shape)
+
+    @property
+    def leaves(self) -> Tuple[nn.Module, ...]:
+        """The layers the bounds are computed for, in forward order."""
+        return tuple(self._leaves)
+
+    @property
+    def loss_lipschitz(self) -> float:
+        """``L``, read from the loss at every use (a changed constant is never left behind)."""
+        value = self.loss.lipschitz if self.loss is not None else self._fixed_lipschitz
+        if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise BoundError(f"loss Lipschitz constant must be positive and finite, got {value}")
+        return float(value)
+
+    # -- validation -------------------------------------------------------
+    def _collect_leaves(self, module: nn.Module) -> None:
+        residual = Residual
+        name = self._names.get(id(module), "?") or "<model>"
+        if isinstance(module, (nn.Sequential, residual)):
+            base = nn.Sequential if isinstance(module, nn.Sequential) else residual
+            if type(module).forward is not base.forward:
+                raise BoundError(f"'{name}' ({type(module).__name__}) overrides the forward of {base.__name__}: the "
+                                 "bound engine only knows the forward it analyses; use a plain container")
+            if isinstance(module, nn.Sequential):
+                for child in module:
+                    self._collect_leaves(child)
+            else:
+                self._collect_leaves(module.branch)  # type: ignore[attr-defined]
+                self._add_leaf(module)
+            return
+        if isinstance(module, BoundedModule):
+            _check_forward_matches_bounds(type(module), name)
+            self._add_leaf(module)
+            return
+        if type(module) in _PARAMETER_FREE_1LIP:
+            self._add_leaf(module)
+            return
+        raise BoundError(
+            f"layer '{name}' ({type(module).__name__}) declares no Lipschitz/gradient bounds; "
+            "use the clipless layers (LipschitzLinear, LipschitzConv2d, MaxMin, ...) or subclass "
+            "clipless.BoundedModule and implement layer_bound()"
+        )
+
+    def _add_leaf(self, module: nn.Module) -> None:
+        if any(m is module for m in self._leaves):
+            raise BoundError(
+                f"module '{self._names.get(id(module), '?')}' is used twice; shared weights "
+                "are not supported by the bound engine"
+            )
+        self._leaves.append(module)
+
+    def _check_known_forwards(self) -> None:
+        """Hooks can change what a module computes or back-propagates: refuse every hook but the input guard."""
+        if global_hooks_registered():
+            raise BoundError("global module hooks are registered: they could change the outputs the bounds describe")
+        for module in self.model.modules():
+            hooks = module_hooks(module)
+            if hooks:
+                name = self._names.get(id(module), "?") or "<model>"
+                raise BoundError(f"module '{name}' has hooks ({len(hooks)}) that may change its outputs or gradients; "
+                                 "remove them before making the model private")
+
+    def _check_parameters_covered(self) -> None:
+        residual = Residual
+        covered = set()
+        for leaf in self._leaves:
+            if isinstance(leaf, residual):
+                continue
+            own = dict(leaf.named_parameters(recurse=False))
+            if not isinstance(leaf, BoundedModule) and own:
+                raise BoundError(f"layer '{self._names[id(leaf)]}' has parameters but no declared bounds")
+            covered.update(id(p) for p in own.values())
+        for name, param in self.model.named_parameters():
+            if param.requires_grad and id(param) not in covered:
+                raise BoundError(f"trainable parameter '{name}' is not covered by any declared bound")
+
+    def _probe_shapes(self) -> Tuple[Dict[int, Tuple[int, ...]], Tuple[int, ...]]:
+        shapes: Dict[int, Tuple[int, ...]] = {}
+        hooks = []
+        for leaf in self._leaves:
+
+            def hook(mod: nn.Module, args: Tuple[torch.Tensor, ...], store=shapes) -> None:
+                store[id(mod)] = tuple(args[0].shape[1:])
+
+            hooks.append(leaf.register_forward_pre_hook(hook))
+        try:
+            param = next(self.model.parameters(), None)
+            device = param.device if param is not None else torch.device("cpu")
+            dtype = param.dtype if param is not None else torch.float32
+            with torch.no_grad():
+                out = self.model(torch.zeros((1,) + self.input_shape, device=device, dtype=dtype))
+        except RuntimeError as exc:
+            raise BoundError(f"model does not accept inputs of shape {self.input_shape}: {exc}") from exc
+        finally:
+            for h in hooks:
+                h.remove()
+        return shapes, tuple(out.shape[1:])
+
+    # -- the engine -------------------------------------------------------
+    def _leaf_bound(self, module: nn.Module, x_bound: float) -> LayerBound:
+        key = (id(module), x_bound)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        if isinstance(module, BoundedModule):
+            lb = module.layer_bound(x_bound, self._in_shapes[id(module)])
+        else:  # parameter-free 1-Lipschitz torch layer
+            lb = LayerBound(lipschitz=1.0, out_bound=x_bound)
+        for value in (lb.lipschitz, lb.out_bound, *lb.param_factors.values()):
+            if not (value >= 0 and math.isfinite(value)):
+                raise BoundError(f"layer '{self._names[id(module)]}' declared an invalid bound {value}")
+        self._cache[key] = lb
+        return lb
+
+    def _out_bound(self, module: nn.Module, x_bound: float) -> float:
+        if isinstance(module, nn.Sequential):
+            for child in module:
+                x_bound = self._out_bound(child, x_bound)
+            return x_bound
+        if isinstance(module, Residual):
+            a, b = module.skip_weight, module.branch_weight  # type: ignore[attr-defined]
+            return a * x_bound + b * self._out_bound(module.branch, x_bound)  # type: ignore[attr-defined]
+        return self._leaf_bound(module, x_bound).out_bound
+
+    def _backward(self, module: nn.Module, x_bound: float, g_out: float, out: List[LayerSensitivity]) -> float:
+        """Record parameter bounds inside ``module``; return the bound on the input gradient."""
+        if isinstance(module, nn.Sequential):
+            inputs = []
+            for child in module:
+                inputs.append(x_bound)
+                x_bound = self._out_bound(child, x_bound)
+            for child, x_in in zip(reversed(list(module)), reversed(inputs)):
+                g_out = self._backward(child, x_in, g_out, out)
+            return g_out
+        if isinstance(module, Residual):
+            # y = a x + b h(x): G_in <= a G + (bound through h of b G)
+            a, b = module.skip_weight, module.branch_weight  # type: ignore[attr-defined]
+            return a * g_out + self._backward(module.branch, x_bound, b * g_out, out)  # type: ignore[attr-defined]
+        lb = self._leaf_bound(module, x_bound)
+        g_eff = min(g_out, lb.grad_cap)
+        params, bounds = [], []
+        for pname, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            if pname not in lb.param_factors:
+                raise BoundError(f"layer '{self._names[id(module)]}' declares no bound for parameter '{pname}'")
+            params.append(param)
+            bounds.append(g_eff * lb.param_factors[pname])
+        if params:
+            out.append(
+                LayerSensitivity(
+                    name=self._names[id(module)],
+                    params=tuple(params),
+                    tensor_bounds=tuple(bounds),
+                    input_bound=x_bound,
+                    grad_out_bound=g_eff,
+                )
+            )
+        return lb.backward(g_out)
+
+    def compute(self) -> BoundReport:
+        """Certified per-layer per-example gradient bounds for the current weights."""
+        self._check_known_forwards()  # hooks added after construction would change the analysed function
+        self._cache: Dict[Tuple[int, float], LayerBound] = {}
+        layers: List[LayerSensitivity] = []
+        output_bound = self._out_bound(self.model, self.input_bound)
+        self._backward(self.model, self.input_bound, self.loss_lipschitz, layers)
+        layers.reverse()  # input-to-output order
+        return BoundReport(
+            layers=tuple(layers),
+            input_bound=self.input_bound,
+            output_bound=output_bound,
+            loss_lipschitz=self.loss_lipschitz,
+        )
+
+    def _lipschitz(self, module: nn.Module, x_bound: float) -> float:
+        if isinstance(module, nn.Sequential):
+            total = 1.0
+            for child in module:
+                total *= self._lipschitz(child, x_bound)
+                x_bound = self._out_bound(child, x_bound)
+            return total
+        if isinstance(module, Residual):
+            a, b = module.skip_weight, module.branch_weight  # type: ignore[attr-defined]
+            return a + b * self._lipschitz(module.branch, x_bound)  # type: ignore[attr-defined]
+        return self._leaf_bound(module, x_bound).lipschitz
+
+    def lipschitz_constant(self) -> float:
+        """Certified Lipschitz constant of the whole model (input -> logits), product rule."""
+        self._cache = {}
+        return self._lipschitz(self.model, self.input_bound)
+
+    def project_(self) -> None:
+        """Project every bounded layer back into its feasible set."""
+        for leaf in self._leaves:
+            if isinstance(leaf, BoundedModule):
+                leaf.project_()

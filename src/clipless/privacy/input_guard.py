@@ -1,0 +1,377 @@
+"""Guards of the private step: what enters the model, and what reaches the optimizer (spec §3.2).
+
+The noise of a step is calibrated to the certified bound of the summed gradient of *one* fresh
+Poisson batch, backpropagated once through the model and a clipless loss, with the weights the
+bounds are computed for.  :class:`InputGuard` refuses inputs outside the declared bound.
+:class:`StepGuard` follows each gradient-recording forward of the private model to the backward
+passes (autograd graph tasks) that accumulate into the parameters, and the optimizer releases a
+step only if every accumulation since the last step came from a backward that
+
+* passed through the model's output, from a clipless loss applied to that output and nothing
+  else, each per-example loss weighted by at most 1, every example's output gradient within the
+  loss constant ``L`` (``batch x outputs`` numbers: cheap);
+* was the first backward of a forward made since the last step;
+* did not also pass through a layer called outside the model's forward;
+
+and if some such backward exists (``step()`` twice, or without a backward), no gradient was set or
+edited by hand after it, and the weights are those of the forward.  After a released step the
+optimizer clears the gradients (as Opacus' does), so a forgotten ``zero_grad()`` cannot mix
+batches.  Backward passes that do not accumulate (``torch.autograd.grad``: diagnostics) are never
+refused.  Not seen: a data-dependent use of the weights outside the model (``F.linear(x, W)``)
+inside the same backward as the loss.  The hooks only check, never change values: the bound engine
+accepts them (``is_clipless_guard``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .certified import BoundError
+
+__all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm"]
+
+# Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
+_LOGIT_GRAD_TOL = 1e-5
+_RECORD_ATTR = "_clipless_forward"
+
+
+def largest_norm(x: torch.Tensor, bound: float) -> float:
+    """Largest per-example L2 norm, exact enough to compare with ``bound``.
+
+    Computed in the input's dtype first: a float32 norm of ``n`` entries has relative error below
+    ``gamma_n = n u / (1 - n u)`` (``u = 2^-24``, Higham's bound for the sum of squares, halved by the root
+    and doubled for safety), so if even ``norm (1 + gamma_n)`` is below the bound, no example exceeds it.
+    Otherwise (or for long rows) it is recomputed in float64.
+    """
+    flat = x.flatten(1)
+    if flat.shape[0] == 0:
+        return 0.0
+    if flat.dtype == torch.float32:
+        nu = flat.shape[1] * 2.0**-24
+        if nu < 0.01:
+            approx = torch.linalg.vector_norm(flat, dim=1).max().item()
+            if approx * (1 + 2 * nu / (1 - nu)) <= bound:
+                return approx
+    return torch.linalg.vector_norm(flat.double(), dim=1).max().item()
+
+
+class _Detached:
+    """What a deep copy of a guarded model holds instead of the guard: a copy is an ordinary model."""
+
+    is_clipless_guard = True
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+class _Guard:
+    is_clipless_guard = True  # the bound engine accepts these hooks: they only refuse, never change values
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> _Detached:
+        return _Detached()
+
+
+class InputGuard(_Guard):
+    """Forward pre-hook that refuses inputs the privacy analysis does not cover.
+
+    Wrong per-example shape or NaN/inf values always raise.  A norm above the declared data bound
+    raises on every forward whose output can reach a private step: in training mode, and whenever
+    autograd records the forward (an ``eval()``-mode forward with gradients can still be backpropagated
+    and released).  Only no-grad evaluation in ``eval()`` mode is left unchecked.
+    """
+
+    def __init__(self, model: nn.Module, input_shape: Sequence[int], data_bound: Optional[float]) -> None:
+        self.input_shape = tuple(input_shape)
+        self.data_bound = data_bound
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise BoundError("the private model takes one tensor input")
+        x = args[0]
+        if tuple(x.shape[1:]) != self.input_shape:
+            raise BoundError(f"input of per-example shape {tuple(x.shape[1:])}, expected {self.input_shape}")
+        # A finite sum implies finite entries (NaN and inf propagate); only a non-finite sum needs the full check.
+        if x.is_floating_point() and not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
+            raise BoundError("input contains NaN or infinite values")
+        checked = module.training or torch.is_grad_enabled()
+        if checked and self.data_bound is not None and x.shape[0] > 0:
+            largest = largest_norm(x, self.data_bound)
+            if largest > self.data_bound * (1 + 1e-6):
+                raise BoundError(
+                    f"an input has norm {largest:.6g} > declared input_bound {self.data_bound:.6g}: the "
+                    "sensitivity would be wrong; clip the data (InputNormClip) or raise input_bound"
+                )
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class _ForwardRecord:
+    """One gradient-recording forward of the private model, until its backward reaches the output."""
+
+    __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated")
+
+    def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor]) -> None:
+        self.guard, self.epoch, self.snapshot = guard, epoch, snapshot
+        self.loss_grad: Optional[torch.Tensor] = None
+        self.losses: List[Any] = []  # the clipless losses applied to this output
+        self.backpropagated = False
+
+
+class _LossTap(torch.autograd.Function):
+    """Identity on the logits; its backward records the gradient the clipless loss sends to them."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, record: _ForwardRecord) -> torch.Tensor:  # type: ignore[override]
+        ctx.record = record
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        record = ctx.record
+        record.loss_grad = grad if record.loss_grad is None else record.loss_grad + grad
+        return grad, None
+
+
+class _WeightTap(torch.autograd.Function):
+    """Identity on the per-example losses; its backward checks the weight each loss enters the gradient with."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, record: _ForwardRecord) -> torch.Tensor:  # type: ignore[override]
+        ctx.record = record
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        ctx.record.guard._loss_weights(grad)
+        return grad, None
+
+
+def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``per_example(logits)`` of the clipless ``loss``, watched by the step guard when ``logits`` is a guarded
+    model's output.  Called by every :class:`~clipless.privacy.modules.LipschitzLoss`; one attribute look-up otherwise.
+    """
+    record = getattr(logits, _RECORD_ATTR, None)
+    if record is None or not logits.requires_grad:
+        return per_example(logits)
+    record.losses.append(loss)
+    values = per_example(_LossTap.apply(logits, record))
+    if values.dim() != 1 or values.shape[0] != logits.shape[0]:
+        raise BoundError(f"a clipless loss must return one value per example, got shape {tuple(values.shape)}")
+    return _WeightTap.apply(values, record)
+
+
+def _task() -> int:
+    return torch._C._current_graph_task_id()  # the running backward pass (as torch.utils.checkpoint uses it)
+
+
+class StepGuard(_Guard):
+    """Follows the private model's forwards to their backward; :meth:`check_step` refuses slips (module doc)."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], params: Sequence[torch.Tensor],
+                 loss: Any, loss_lipschitz: Callable[[], float]) -> None:
+        """``layers``/``params``: the model's bounded layers and their parameters; ``loss_lipschitz()``: the
+        ``L`` of the bounds (every clipless loss applied must declare at most that; ``loss`` names it)."""
+        self.model = model
+        self.params = list(params)
+        self.loss_name = type(loss).__name__ if loss is not None else "loss"
+        self.loss_lipschitz = loss_lipschitz
+        self.epoch = 0  # private steps released
+        self._paused = 0
+        self._inside = False
+        self._warned_scale = False
+        self._snapshot: Optional[List[torch.Tensor]] = None
+        self.clear_gradient_state()
+        self._handles = [
+            model.register_forward_pre_hook(_ModelEnter(self)),
+            model.register_forward_hook(_ModelLeave(self), always_call=True),
+        ]
+        names = {id(m): n for n, m in model.named_modules()}
+        for layer in layers:
+            if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                self._handles.append(layer.register_forward_hook(_LayerCall(self, names.get(id(layer), "?"))))
+        for p in self.params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def clear_gradient_state(self) -> None:
+        """Forget the gradients' history (they were just cleared): a step needs a new backward."""
+        self._checked: Dict[int, _ForwardRecord] = {}  # backward passes that went through the output correctly
+        self._problems: Dict[int, str] = {}  # backward passes whose gradient must not be released, and why
+        self._released: Dict[int, _ForwardRecord] = {}  # checked backward passes that reached the parameters
+        self._accumulations: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (its grad, grad version)
+        self._violation: Optional[str] = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards and backwards inside are diagnostics (e.g. the tightness monitor), not part of a step."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # -- forward -------------------------------------------------------------
+    def _leave(self, output: Any) -> None:
+        self._inside = False
+        if self._paused or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+            return
+        if not output.requires_grad:
+            return
+        if self._snapshot is None or self._weights_differ(self._snapshot):
+            self._snapshot = [p.detach().clone() for p in self.params]
+        record = _ForwardRecord(self, self.epoch, self._snapshot)
+        setattr(output, _RECORD_ATTR, record)
+        output.register_hook(lambda grad: self._output_grad(record, grad))
+
+    def _weights_differ(self, snapshot: List[torch.Tensor]) -> bool:
+        return any(not torch.equal(p.detach(), saved) for p, saved in zip(self.params, snapshot))
+
+    # -- backward ------------------------------------------------------------
+    def _problem(self, why: str) -> None:
+        self._problems.setdefault(_task(), why)
+
+    def _loss_weights(self, weights: torch.Tensor) -> None:
+        if weights.numel() == 0:
+            return
+        largest = float(weights.abs().max())
+        if largest > 1 + 1e-6:
+            self._problem(f"a per-example loss entered the backward with weight {largest:.4g} > 1: its gradient would "
+                          "exceed the certified bound; backpropagate loss.per_example(model(x), y).sum(), unscaled")
+        elif largest < 1 - 1e-6 and not self._warned_scale:
+            self._warned_scale = True
+            warnings.warn(
+                f"the per-example losses enter the backward with weight at most {largest:.4g} < 1 (a mean or a "
+                "scaled loss): the noise is calibrated to the SUM of per-example gradients, so this wastes privacy "
+                "budget; backpropagate loss.per_example(model(x), y).sum()", stacklevel=2)
+
+    def _output_grad(self, record: _ForwardRecord, grad: torch.Tensor) -> None:
+        loss_grad, record.loss_grad = record.loss_grad, None
+        losses, record.losses = record.losses, []
+        twice, record.backpropagated = record.backpropagated, True
+        lipschitz = self.loss_lipschitz()
+        if record.epoch != self.epoch:
+            why = "the backward of a forward made before the last private step: run the forward again on a new batch"
+        elif twice:
+            why = "a forward backpropagated twice: the batch's gradient would count twice; one backward per forward"
+        elif loss_grad is None:
+            why = ("the backward into the private model's output did not come from a clipless loss applied to that "
+                   "output: backpropagate loss.per_example(model(x), y).sum()")
+        elif any(float(loss.lipschitz) > lipschitz for loss in losses):
+            why = (f"the backward came from a loss with a larger constant than the {self.loss_name} the bounds were "
+                   "computed for; use the loss given to make_private")
+        elif not torch.equal(grad, loss_grad):
+            why = ("the private model's output received gradient from outside its clipless loss: the per-example "
+                   "bound assumes the loss is the only use of the output")
+        elif largest_norm(grad, lipschitz) > lipschitz * (1 + _LOGIT_GRAD_TOL):
+            why = (f"an example's loss gradient has norm {largest_norm(grad, lipschitz):.6g} > the loss constant "
+                   f"L = {lipschitz:.6g}: the certified bound does not cover it")
+        elif self._weights_differ(record.snapshot):
+            why = "the weights changed between the forward and its backward: the bounds are those of other weights"
+        else:
+            self._checked[_task()] = record
+            return
+        self._problem(why)
+
+    def _taint(self, name: str) -> None:
+        self._problem(f"layer '{name}' of the private model was called outside the model's forward, and the backward "
+                      "went through it: its gradient bypasses the privacy analysis; call the whole model")
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        task = _task()
+        # the gradient tensor and its version: one replaced or edited in place afterwards is not this one
+        self._accumulations[id(param)] = (param.grad, param.grad._version)  # type: ignore[union-attr]
+        if self._violation is not None:
+            return
+        if task in self._problems:
+            self._violation = self._problems[task]
+        elif task not in self._checked:
+            self._violation = ("a gradient reached the parameters by a backward that did not go through the private "
+                               "model's output and its clipless loss (a layer or weight used elsewhere)")
+        else:
+            self._released[task] = self._checked[task]
+
+    # -- step ----------------------------------------------------------------
+    def check_step(self, params: Sequence[torch.Tensor]) -> None:
+        """Refuse to release ``params``' gradients unless they come from checked backwards of this step."""
+        fix = "; call optimizer.zero_grad() and run the batch again"
+        if self._violation is not None:
+            raise BoundError(self._violation + fix)
+        if not self._released:
+            raise BoundError(
+                "no backward of the private model since the last step: step() releases the gradient of one fresh "
+                "Poisson batch; run loss.per_example(model(x), y).sum().backward() on the batch first (an empty "
+                "batch too)")
+        for p in params:
+            grad, version = self._accumulations.get(id(p), (None, 0))
+            if p.grad is not None and (p.grad is not grad or p.grad._version != version):
+                raise BoundError("a parameter holds a gradient that no backward of this step produced, or one changed "
+                                 "after its backward (set or scaled by hand): its sensitivity is not the bound's" + fix)
+        for record in {id(r.snapshot): r for r in self._released.values()}.values():
+            if self._weights_differ(record.snapshot):
+                raise BoundError("the weights changed between the forward and the step: the noise would be calibrated "
+                                 "to the bounds of other weights than the backward used; change weights only through "
+                                 "the private optimizer" + fix)
+
+    def finish_step(self, params: Sequence[torch.Tensor]) -> None:
+        """After a released step: clear the gradients and start the next step."""
+        for p in params:
+            p.grad = None
+        self.epoch += 1
+        self._snapshot = None
+        self.clear_gradient_state()
+
+
+class _Hook:
+    """A module hook of a step guard; a deep copy of the model gets an inert stand-in."""
+
+    is_clipless_guard = True
+
+    def __init__(self, guard: StepGuard) -> None:
+        self.guard = guard
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> _Detached:
+        return _Detached()
+
+
+class _ModelEnter(_Hook):
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.guard._inside = True
+
+
+class _ModelLeave(_Hook):
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.guard._leave(output)
+
+
+class _LayerCall(_Hook):
+    """Forward hook on each trainable layer: a backward through a call outside the model's forward is refused."""
+
+    def __init__(self, guard: StepGuard, name: str) -> None:
+        super().__init__(guard)
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        guard = self.guard
+        if guard._inside or guard._paused or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        output.register_hook(lambda grad: guard._taint(self.name))
+
+
+@contextlib.contextmanager
+def paused_guards(model: nn.Module) -> Iterator[None]:
+    """Pause the step guards of ``model`` (diagnostic forwards/backwards that are not part of a step)."""
+    guards = [h.guard for h in model._forward_hooks.values() if isinstance(h, _ModelLeave)]
+    with contextlib.ExitStack() as stack:
+        for guard in guards:
+            stack.enter_context(guard.paused())
+        yield

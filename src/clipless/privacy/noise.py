@@ -1,0 +1,83 @@
+"""Gaussian noise on the summed gradient, calibrated to the bound engine (spec §3.2).
+
+global:    s_d += N(0, sigma^2 Delta^2),  Delta = sqrt(sum_d g_d^2)
+per-layer: s_d += N(0, sigma_d^2 g_d^2)
+then every gradient is divided by the *expected* batch size ``b = qN``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping, Sequence
+
+import torch
+
+from .bounds import BoundReport
+
+__all__ = [
+    "STRATEGIES",
+    "add_noise_",
+    "allocate_layer_noise",
+    "noise_energy_allocation",
+]
+
+STRATEGIES = ("global", "per_layer")
+
+
+def allocate_layer_noise(sigma_eff: float, weights: Mapping[str, float]) -> Dict[str, float]:
+    """``sigma_d = c w_d`` with ``c`` such that ``(sum_d sigma_d^-2)^-1/2 = sigma_eff``."""
+    if any(w <= 0 for w in weights.values()):
+        raise ValueError("allocation weights must be positive")
+    c = sigma_eff * math.sqrt(sum(w**-2 for w in weights.values()))
+    return {name: c * w for name, w in weights.items()}
+
+
+def noise_energy_allocation(report: BoundReport) -> Dict[str, float]:
+    """Relative ``sigma_d`` minimising the total noise energy ``sum_d p_d sigma_d^2 g_d^2`` at fixed ``sigma_eff``.
+
+    Lagrange conditions give ``sigma_d proportional to (p_d g_d^2)^(-1/4)`` (``p_d`` = number of
+    parameters of layer ``d``): big layers get less noise per coordinate, small ones more.
+    Depends only on the model's bounds and sizes, never on data.
+    """
+    weights = {}
+    for layer in report.layers:
+        size = sum(p.numel() for p in layer.params)
+        weights[layer.name] = (size * max(layer.bound, 1e-30) ** 2) ** -0.25
+    return weights
+
+
+@torch.no_grad()
+def add_noise_(
+    report: BoundReport,
+    strategy: str,
+    sigmas: Mapping[str, float],
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> Dict[str, float]:
+    """Replace each bounded parameter's ``.grad`` (the summed gradient) by ``(sum + noise) / b``.
+
+    Returns the noise standard deviation used for each layer.
+    """
+    if expected_batch_size <= 0:
+        raise ValueError("expected batch size must be positive")
+    stds: Dict[str, float] = {}
+    delta = report.global_sensitivity
+    for layer in report.layers:
+        sigma = sigmas[layer.name]
+        std = sigma * (delta if strategy == "global" else layer.bound)
+        stds[layer.name] = std
+        add_gaussian_noise_(layer.params, std, expected_batch_size, generator)
+    return stds
+
+
+@torch.no_grad()
+def add_gaussian_noise_(
+    params: Sequence[torch.Tensor], std: float, expected_batch_size: float, generator: torch.Generator
+) -> None:
+    """``grad <- (grad + N(0, std^2 I)) / b`` for each parameter (a missing ``.grad`` counts as zero)."""
+    if expected_batch_size <= 0:
+        raise ValueError("expected batch size must be positive")
+    for param in params:
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
+        param.grad = (grad + std * noise) / expected_batch_size

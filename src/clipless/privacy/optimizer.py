@@ -1,0 +1,145 @@
+"""``DPOptimizer``: wraps any ``torch.optim`` optimizer into a clipless private step (spec §3.2).
+
+``step()`` = step guard -> bound engine -> Gaussian noise on the summed gradient
+-> divide by the expected batch size -> inner step -> projection -> accountant
+step -> gradients cleared.  The gradients it receives must be the gradient of
+the **sum** of per-example losses of one Poisson batch
+(``LipschitzLoss.per_example(...).sum()``); the step guard
+(:class:`~clipless.privacy.input_guard.StepGuard`) refuses a step whose gradients are not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .accounting import PrivacyAccountant
+from .bounds import BoundEngine, BoundReport
+from .calibration import NoisePlan
+from .certified import BoundError
+from .input_guard import StepGuard
+from .modules import step_mechanisms
+from .noise import add_noise_
+from .randomness import secret_generator
+
+__all__ = ["DPOptimizer"]
+
+
+class DPOptimizer:
+    """A private optimizer step around ``optimizer`` for the model covered by ``bound_engine``.
+
+    The noise comes from ``plan`` (:func:`~clipless.privacy.calibration.plan_noise`, the one noise plan); the
+    step refuses to run past ``plan.max_steps`` (the target epsilon) and refuses a gradient on any
+    parameter its bounds do not cover.  Without ``generator`` the noise is drawn from OS entropy.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        bound_engine: BoundEngine,
+        plan: NoisePlan,
+        expected_batch_size: float,
+        accountant: PrivacyAccountant,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if accountant.mechanism != plan.accountant:
+            raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
+                             f"{accountant.mechanism!r}")
+        self.original_optimizer = optimizer
+        self.bound_engine = bound_engine
+        self.plan = plan
+        self.expected_batch_size = float(expected_batch_size)
+        self.sample_rate = plan.sample_rate
+        self.accountant = accountant
+        report = bound_engine.compute()
+        if set(plan.layer_sigmas) != {layer.name for layer in report.layers}:
+            raise ValueError("the noise plan does not name exactly the model's bounded layers")
+        # Adaptive clipping releases a noisy count per step on the same batch: one more Gaussian mechanism.
+        self.step_mechanisms = step_mechanisms(bound_engine.model)
+        counts = tuple(clip.count_noise_multiplier for clip in self.step_mechanisms)
+        if tuple(sorted(counts)) != tuple(sorted(plan.mechanism_sigmas)):
+            raise ValueError(f"the noise plan accounts per-step mechanisms {list(plan.mechanism_sigmas)} but the "
+                             f"model releases counts with multipliers {list(counts)}")
+        self._bounded = {id(p) for layer in report.layers for p in layer.params}
+        self._check_covered()
+        self.generator = generator if generator is not None else secret_generator(
+            next(bound_engine.model.parameters()).device)
+        self.last_report: Optional[BoundReport] = report
+        self.last_noise_std: Dict[str, float] = {}
+        bound_engine.project_()  # start from feasible weights
+        self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
+                               [p for layer in report.layers for p in layer.params],
+                               bound_engine.loss, lambda: bound_engine.loss_lipschitz)
+
+    # Read-only views of the plan (one meaning each, see clipless.privacy.calibration).
+    @property
+    def strategy(self) -> str:
+        return self.plan.strategy
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.plan.gradient_sigma
+
+    @property
+    def layer_sigmas(self) -> Dict[str, float]:
+        return dict(self.plan.layer_sigmas)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        return self.plan.step_sigma
+
+    def _check_covered(self) -> None:
+        for group in self.original_optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._bounded and (p.requires_grad or p.grad is not None):
+                    raise BoundError("the optimizer holds a trainable parameter that the bound engine does not cover "
+                                     "(added after make_private, or frozen when the bounds were computed); "
+                                     "call make_private again")
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.guard.clear_gradient_state()
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        self.plan.check_budget(self.accountant.steps)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_covered()
+        params = [p for group in self.original_optimizer.param_groups for p in group["params"]]
+        self.guard.check_step(params)
+        report = self.bound_engine.compute()
+        self.last_report = report
+        self.last_noise_std = add_noise_(
+            report, self.plan.strategy, self.plan.layer_sigmas, self.expected_batch_size, self.generator
+        )
+        self.original_optimizer.step()
+        self.bound_engine.project_()
+        for clip in self.step_mechanisms:  # after the step: its noise used the C of this batch's backward
+            clip.update_(self.expected_batch_size, self.generator)
+        self.plan.account_step(self.accountant)
+        self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
+        return loss
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "optimizer": self.original_optimizer.state_dict(),
+            "noise_generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.original_optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["noise_generator"])
+
+    def __repr__(self) -> str:
+        return (
+            f"DPOptimizer(strategy={self.strategy}, sigma_eff={self.effective_noise_multiplier:.4g}, "
+            f"expected_batch_size={self.expected_batch_size:g}, inner={type(self.original_optimizer).__name__})"
+        )
+

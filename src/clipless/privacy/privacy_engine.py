@@ -1,0 +1,150 @@
+"""``PrivacyEngine.make_private``: the Opacus-style entry point of clipless DP-SGD."""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .accounting import PrivacyAccountant, check_delta
+from .bounds import BoundEngine
+from .calibration import plan_noise, planned_steps
+from .certified import BoundError
+from .input_guard import InputGuard
+from .modules import InputClip, LipschitzLoss, step_mechanisms
+from .optimizer import DPOptimizer
+from .sampling import poisson_data_loader, poisson_threshold
+
+__all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf"]
+
+
+def first_leaf(model: nn.Module) -> nn.Module:
+    """The first layer data goes through (descending into ``nn.Sequential``)."""
+    while isinstance(model, nn.Sequential) and len(model) > 0:
+        model = model[0]
+    return model
+
+
+def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple[float, Optional[float]]:
+    """``(X_0 for the engine, bound the raw data must satisfy or None)``.
+
+    ``X_0`` comes from a leading :class:`~clipless.privacy.modules.InputClip` (e.g. ``InputNormClip``) or from a declared
+    ``input_bound`` that every input is then checked against — never from the
+    data itself.
+    """
+    head = first_leaf(model)
+    if isinstance(head, InputClip):
+        x0 = head.max_norm if input_bound is None else min(head.max_norm, float(input_bound))
+        return x0, (float(input_bound) if input_bound is not None else None)
+    if input_bound is None:
+        raise BoundError(
+            "no input bound: start the model with InputNormClip(C) or pass input_bound= (a bound fixed "
+            "without looking at the data; inputs above it are refused)"
+        )
+    return float(input_bound), float(input_bound)
+
+
+def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -> Tuple[Dataset, float]:
+    if isinstance(data, DataLoader):
+        if batch_size is None:
+            if data.batch_size is None:
+                raise ValueError("give batch_size: the data loader has no fixed batch size")
+            batch_size = data.batch_size
+        data = data.dataset
+    if batch_size is None:
+        raise ValueError("give the expected batch size (batch_size)")
+    return data, float(batch_size)
+
+
+class PrivacyEngine:
+    """Holds the accountant; turns (model, optimizer, data) into a clipless private training setup.
+
+    Noise and Poisson batches are drawn from OS entropy unless generators are passed (a fixed-seed
+    generator makes the run non-private against anyone who knows the seed).
+    """
+
+    def __init__(self, accountant: str = "pld") -> None:
+        self.accountant = PrivacyAccountant(accountant)
+
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Union[Dataset, DataLoader],
+        loss: LipschitzLoss,
+        noise_multiplier: Optional[float] = None,
+        input_shape: Sequence[int],
+        batch_size: Optional[float] = None,
+        input_bound: Optional[float] = None,
+        strategy: str = "global",
+        layer_noise_multipliers: Union[Mapping[str, float], str, None] = None,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        epochs: Optional[int] = None,
+        noise_generator: Optional[torch.Generator] = None,
+        sampling_generator: Optional[torch.Generator] = None,
+    ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
+        """Returns ``(module, dp_optimizer, poisson_loader)``.
+
+        ``batch_size`` is the *expected* Poisson batch size ``b = qN``.  In the
+        loop, backpropagate ``loss.per_example(module(x), y).sum()`` and call
+        ``dp_optimizer.step()`` once per batch, empty batches included.
+        ``noise_multiplier`` is the gradient's effective multiplier and
+        ``layer_noise_multipliers`` relative per-layer weights (or ``"energy"``),
+        as everywhere (:mod:`clipless.privacy.calibration`).  With ``target_epsilon``
+        (and ``target_delta``) the optimizer refuses any step past the budget; without
+        ``noise_multiplier`` sigma is calibrated so ``epochs`` epochs fit it.
+        """
+        if not isinstance(loss, LipschitzLoss):
+            raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
+        dataset, b = _dataset_of(data, batch_size)
+        n = len(dataset)  # type: ignore[arg-type]
+        if not (0 < b <= n):
+            raise ValueError(f"expected batch size {b} must be in (0, N={n}]")
+        if target_delta is not None:
+            check_delta(target_delta, n)
+        if target_epsilon is not None and target_delta is None:
+            raise ValueError("target_epsilon needs target_delta")
+        sample_rate = b / n
+        poisson_threshold(sample_rate)  # refuses a rate the sampler cannot realise, before anything runs
+        x0, data_bound = resolve_input_bound(module, input_bound)
+        engine = BoundEngine(module, input_shape, x0, loss)
+        steps_per_epoch = max(1, round(1.0 / sample_rate))
+        plan = plan_noise(
+            engine.compute(),
+            sample_rate=sample_rate,
+            accountant=self.accountant.mechanism,
+            strategy=strategy,
+            layer_noise_multipliers=layer_noise_multipliers,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            delta=target_delta,
+            steps=None if epochs is None else planned_steps(epochs, steps_per_epoch),
+            mechanism_sigmas=[clip.count_noise_multiplier for clip in step_mechanisms(module)],
+        )
+        dp_optimizer = DPOptimizer(optimizer, engine, plan, expected_batch_size=b, accountant=self.accountant,
+                                   generator=noise_generator)
+        self.guard = InputGuard(module, input_shape, data_bound)
+        loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
+                                     steps_per_epoch=steps_per_epoch)
+        return module, dp_optimizer, loader
+
+    def make_private_with_epsilon(
+        self,
+        *,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: int,
+        **kwargs,
+    ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
+        """As :meth:`make_private`, with ``sigma`` calibrated so ``epochs`` epochs stay within ``target_epsilon``
+        (every per-step mechanism and the per-layer allocation included); the optimizer stops at the budget."""
+        if kwargs.get("noise_multiplier") is not None:
+            raise ValueError("make_private_with_epsilon calibrates noise_multiplier; use make_private to fix it")
+        return self.make_private(target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, **kwargs)
+
+    def get_epsilon(self, delta: float) -> float:
+        return self.accountant.get_epsilon(delta)

@@ -1,0 +1,76 @@
+"""Secret randomness for the private mechanism (spec §1, §7).
+
+The guarantee assumes the adversary does not know the noise or which records a batch holds.  Every
+generator that draws noise, Poisson batches or augmentations therefore comes from
+:func:`secret_generator`, seeded from OS entropy, unless the user asks for a fixed seed, and a run with
+a fixed seed is labelled as not private against anyone who knows it (:func:`randomness_label`).
+
+torch's CPU generator (Mersenne Twister) keeps only the low 32 bits of ``manual_seed``: 2^32 seeds
+could be searched by retraining.  A secret CPU generator instead gets its whole 624-word state
+(19,968 bits) from ``os.urandom``; a CUDA generator (Philox) keys on all 64 bits of its seed.  Neither
+is a cryptographic generator: the security rests on the state being unknown, never observed directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+__all__ = ["secret_generator", "make_generator", "randomness_label", "secret_seed"]
+
+# Layout of the CPU generator state (ATen CPUGeneratorImplState): initial seed (u64), left (i32),
+# seeded (i32), next (u64), then the 624 Mersenne Twister words stored as u64.
+_MT_WORDS = 624
+_MT_OFFSET = struct.calcsize("<QiiQ")
+
+
+def secret_seed(bits: int = 64) -> int:
+    """A fresh integer from OS entropy."""
+    return int.from_bytes(os.urandom((bits + 7) // 8), "little") % (1 << bits)
+
+
+def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    """A generator whose state comes from OS entropy (>= 64 bits; 19,968 bits on CPU)."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device)
+    if device.type != "cpu":
+        generator.manual_seed(secret_seed(64))
+        return generator
+    generator.manual_seed(secret_seed(32))  # puts the header in the freshly-seeded form (left = 1)
+    state = generator.get_state().clone()
+    header = struct.unpack("<QiiQ", bytes(state[:_MT_OFFSET].tolist()))
+    if state.numel() < _MT_OFFSET + 8 * _MT_WORDS or header[1:3] != (1, 1):
+        raise RuntimeError("unexpected torch CPU generator state layout: cannot seed it from OS entropy")
+    words = torch.frombuffer(bytearray(os.urandom(4 * _MT_WORDS)), dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
+    state[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS] = words.view(torch.uint8)  # little-endian u64 words
+    generator.set_state(state)
+    if not torch.equal(generator.get_state()[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS],
+                       state[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS]):
+        raise RuntimeError("torch did not accept the entropy-filled generator state")
+    return generator
+
+
+def make_generator(seed: Optional[int], device: Union[str, torch.device] = "cpu", stream: int = 0) -> torch.Generator:
+    """``secret_generator`` when ``seed`` is None, else a reproducible generator for stream ``stream`` of
+    ``seed`` (experiments only: NOT private against anyone who knows ``seed``)."""
+    if seed is None:
+        return secret_generator(device)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"a fixed noise seed must be an integer, got {seed!r}")
+    # distinct streams of one seed (noise, sampling, augmentation) must not coincide
+    digest = hashlib.sha256(f"clipless:{seed}:{stream}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def randomness_label(noise_seed: Optional[int]) -> Dict[str, Any]:
+    """Fields every result file carries about the mechanism's randomness (spec §7)."""
+    if noise_seed is None:
+        return {"private": True, "randomness": "os-entropy",
+                "privacy_note": "noise and Poisson sampling drawn from OS entropy; the guarantee holds"}
+    return {"private": False, "randomness": "fixed-seed",
+            "privacy_note": "noise and sampling come from a fixed seed: NOT private against anyone who knows "
+                            "or guesses the seed (experiments only)"}

@@ -1,0 +1,139 @@
+"""Poisson subsampling (spec §1): every record enters each batch independently with probability ``q``."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Iterator, List, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from .randomness import secret_generator
+
+__all__ = ["PoissonBatchSampler", "poisson_data_loader", "BatchCollator", "PreCollated", "poisson_threshold",
+           "realised_sample_rate", "SAMPLING_BITS"]
+
+# Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
+# arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
+# uniforms have resolution 2^-24 and realised q = 3.33e-7 as 3.58e-7).  A rate at or below the accounted q
+# never under-reports epsilon (the subsampled Gaussian's epsilon increases with q).
+SAMPLING_BITS = 53
+
+
+def poisson_threshold(sample_rate: float) -> int:
+    """``floor(q 2^53)``, exactly (``q`` as the binary fraction it is); refuses a rate that cannot be realised."""
+    if not (0 < sample_rate <= 1):
+        raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+    threshold = int(Fraction(sample_rate) * (1 << SAMPLING_BITS))
+    if threshold == 0:
+        raise ValueError(f"sample rate {sample_rate:g} is below 2^-{SAMPLING_BITS}: Poisson sampling cannot realise it")
+    return threshold
+
+
+def realised_sample_rate(sample_rate: float) -> Fraction:
+    """The inclusion probability the sampler actually realises for ``sample_rate`` (``<= q``, within 2^-53)."""
+    return Fraction(poisson_threshold(sample_rate), 1 << SAMPLING_BITS)
+
+
+def poisson_mask(num_samples: int, threshold: int, generator: torch.Generator) -> torch.Tensor:
+    """Boolean mask, each entry True independently with probability ``threshold / 2^53``
+    (``threshold = poisson_threshold(q)``, so the probability is ``realised_sample_rate(q)``)."""
+    draws = torch.randint(0, 1 << SAMPLING_BITS, (num_samples,), generator=generator, dtype=torch.int64,
+                          device=generator.device)
+    return draws < threshold
+
+
+class PoissonBatchSampler(Sampler[List[int]]):
+    """Yields ``steps_per_epoch`` batches; each holds every index independently with probability ``sample_rate``.
+
+    Batches have random size and may be empty: this is the sampling the
+    accountant assumes.  ``len`` is the number of steps per epoch,
+    ``round(1/q)`` by default (one expected pass over the data).  Without a
+    ``generator`` the batches are drawn from OS entropy (:func:`~clipless.privacy.randomness.secret_generator`).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps_per_epoch: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError("dataset is empty")
+        self.threshold = poisson_threshold(sample_rate)  # validates
+        self.num_samples = int(num_samples)
+        self.sample_rate = float(sample_rate)
+        self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
+        self.generator = generator if generator is not None else secret_generator()
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _ in range(self.steps_per_epoch):
+            yield poisson_mask(self.num_samples, self.threshold, self.generator).nonzero(as_tuple=True)[0].tolist()
+
+
+class BatchCollator:
+    """Collate that also builds empty batches with the dataset's per-record shapes and dtypes."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Any = default_collate) -> None:
+        self.collate_fn = collate_fn
+        self._empty = self._empty_like(dataset[0])
+
+    @staticmethod
+    def _empty_like(sample: Any) -> Any:
+        if isinstance(sample, torch.Tensor):
+            return torch.zeros((0,) + tuple(sample.shape), dtype=sample.dtype)
+        if isinstance(sample, (tuple, list)):
+            return type(sample)(BatchCollator._empty_like(s) for s in sample)
+        if isinstance(sample, (int, float)):
+            return torch.zeros((0,), dtype=torch.int64 if isinstance(sample, int) else torch.float32)
+        raise TypeError(f"cannot build an empty batch for records of type {type(sample).__name__}")
+
+    def __call__(self, batch: Sequence[Any]) -> Any:
+        if isinstance(batch, PreCollated):
+            return batch.tensors
+        if len(batch) == 0:
+            return self._empty
+        return self.collate_fn(batch)
+
+
+class PreCollated:
+    """A batch that is already stacked (from a dataset's ``gather``)."""
+
+    def __init__(self, tensors: Any) -> None:
+        self.tensors = tensors
+
+
+class _GatherView(Dataset):
+    """Lets the DataLoader fetch a batch through ``dataset.gather(indices)`` in one operation."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: List[int]) -> Any:
+        return PreCollated(self.dataset.gather(indices)) if indices else []
+
+
+def poisson_data_loader(
+    dataset: Dataset,
+    sample_rate: float,
+    generator: Optional[torch.Generator] = None,
+    steps_per_epoch: Optional[int] = None,
+    num_workers: int = 0,
+) -> DataLoader:
+    """A ``DataLoader`` over ``dataset`` with Poisson batches (possibly empty)."""
+    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, generator)  # type: ignore[arg-type]
+    if hasattr(dataset, "gather"):
+        dataset = _GatherView(dataset)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=BatchCollator(dataset), num_workers=num_workers)
+

@@ -1,0 +1,342 @@
+"""``PrivateTrainer``: the full clipless DP-SGD loop with budget, logging and checkpoints.
+
+The loop sums per-example losses of each Poisson batch (empty batches
+included), lets :class:`~clipless.privacy.optimizer.DPOptimizer` add calibrated noise,
+and stops before a step would take epsilon past the target.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..diagnostics.tightness import TightnessMonitor
+from ..privacy.accounting import check_delta
+from ..privacy.modules import BoundedModule, LipschitzLoss
+from ..privacy.privacy_engine import PrivacyEngine
+from ..privacy.randomness import make_generator, randomness_label
+from .checkpoint import load_checkpoint, save_checkpoint
+from .evaluation import evaluate, predictions
+
+__all__ = ["PrivateTrainer", "TrainResult"]
+
+
+@dataclass
+class TrainResult:
+    """What a run releases.  Everything here is covered by the guarantee or measured on the test split,
+    except the ``nonprivate_*`` history entries, present only when asked for (``log_train_stats``)."""
+
+    test_accuracy: Optional[float]
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    effective_noise_multiplier: float
+    steps: int
+    epochs: float
+    expected_batch_size: float
+    sample_rate: float
+    sampling: str
+    accountant: str
+    strategy: str
+    private: bool
+    randomness: str
+    privacy_note: str
+    wall_time_s: float
+    stopped_by_budget: bool
+    history: List[Dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+class PrivateTrainer:
+    """Train ``model`` with clipless DP-SGD on ``train_data`` under (``target_epsilon``, ``delta``).
+
+    Give ``target_epsilon`` (sigma is calibrated for ``epochs``), or
+    ``noise_multiplier`` (with ``target_epsilon`` too, the number of steps is
+    calibrated and training stops at the budget); both go through the one noise
+    plan (:func:`~clipless.privacy.calibration.plan_noise`).  With ``strategy='per_layer'``,
+    ``layer_noise_multipliers`` are relative weights or ``'energy'``.
+    Noise and sampling are drawn from OS entropy; ``noise_seed`` fixes them for
+    experiments, and the result then says the run is not private.
+    ``log_train_stats`` adds the loss and accuracy of the training batches to the
+    history, labelled ``nonprivate_*``: they are computed without noise.
+    ``tightness_monitor`` checks true per-example gradients against the bounds
+    during training and stops with :class:`~clipless.BoundError` if one exceeds them.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss: LipschitzLoss,
+        train_data: Dataset,
+        *,
+        input_shape: Any,
+        batch_size: float,
+        delta: float,
+        epochs: Optional[int] = None,
+        target_epsilon: Optional[float] = None,
+        noise_multiplier: Optional[float] = None,
+        input_bound: Optional[float] = None,
+        strategy: str = "global",
+        layer_noise_multipliers: Union[Mapping[str, float], str, None] = None,
+        accountant: str = "pld",
+        noise_seed: Optional[int] = None,
+        test_data: Optional[Dataset] = None,
+        device: str = "cpu",
+        progress: bool = True,
+        log: Optional[Callable[[str], None]] = print,
+        checkpoint_path: Optional[Union[str, Path]] = None,
+        average_decay: Optional[float] = None,
+        tightness_monitor: Optional[TightnessMonitor] = None,
+        log_train_stats: bool = False,
+    ) -> None:
+        if target_epsilon is None and noise_multiplier is None:
+            raise ValueError("give target_epsilon, noise_multiplier, or both")
+        if epochs is None and target_epsilon is None:
+            raise ValueError("give epochs or target_epsilon: training would never stop")
+        n = len(train_data)  # type: ignore[arg-type]
+        check_delta(delta, n)
+        if not (isinstance(batch_size, (int, float)) and 0 < batch_size <= n):
+            raise ValueError(f"batch_size (the expected Poisson batch size) must be in (0, N={n}], got {batch_size!r}")
+        self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
+        self.delta, self.target_epsilon, self.strategy = delta, target_epsilon, strategy
+        self.device, self.progress, self.log = device, progress, log
+        self.noise_seed = noise_seed
+        self.log_train_stats = bool(log_train_stats)
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.sample_rate = batch_size / n
+        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        self.privacy_engine = PrivacyEngine(accountant)
+        self.sampling_generator = make_generator(noise_seed, stream=1)
+        self.model, self.optimizer, self.loader = self.privacy_engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            data=train_data,
+            loss=loss,
+            noise_multiplier=noise_multiplier,
+            input_shape=tuple(input_shape),
+            batch_size=batch_size,
+            input_bound=input_bound,
+            strategy=strategy,
+            layer_noise_multipliers=layer_noise_multipliers,
+            target_epsilon=target_epsilon,
+            target_delta=delta,
+            epochs=epochs,
+            noise_generator=make_generator(noise_seed, next(model.parameters()).device, stream=2),
+            sampling_generator=self.sampling_generator,
+        )
+        plan = self.optimizer.plan
+        self.max_steps: int = plan.max_steps  # type: ignore[assignment]
+        self.steps = 0
+        self.epoch = 0
+        self.history: List[Dict[str, float]] = []
+        # Exponential moving average of the released iterates: post-processing, no privacy cost.
+        if average_decay is not None and not (0.0 < average_decay < 1.0):
+            raise ValueError("average_decay must be in (0, 1)")
+        self.average_decay = average_decay
+        self.tightness_monitor = tightness_monitor
+        # A deep copy leaves the guards behind (clipless.privacy.input_guard): the average is never stepped by the optimizer.
+        self.averaged_model: Optional[nn.Module] = copy.deepcopy(self.model) if average_decay else None
+        self._wall = 0.0
+        self._data_fingerprints = tuple(getattr(d, "fingerprint", lambda: None)() if d is not None else None
+                                        for d in (train_data, test_data))
+        # What made the run (e.g. the CLI's resolved flags): kept in the checkpoint so a resume can restore it.
+        self.run_config: Optional[Dict[str, Any]] = None
+
+    @torch.no_grad()
+    def _update_average(self) -> None:
+        decay = self.average_decay
+        for avg, p in zip(self.averaged_model.parameters(), self.model.parameters()):  # type: ignore[union-attr]
+            avg.mul_(decay).add_(p, alpha=1 - decay)
+
+    def eval_model(self) -> nn.Module:
+        """The model to evaluate and ship: the projected average of the iterates when averaging, else the model."""
+        if self.averaged_model is None:
+            return self.model
+        model = copy.deepcopy(self.averaged_model)
+        for m in model.modules():
+            if isinstance(m, BoundedModule):
+                m.project_()  # an average of feasible weights is re-projected to stay 1-Lipschitz
+        return model
+
+    @property
+    def accountant(self):
+        return self.privacy_engine.accountant
+
+    def epsilon(self) -> float:
+        return self.accountant.get_epsilon(self.delta)
+
+    def _train_epoch(self) -> Dict[str, float]:
+        self.model.train()
+        loss_sum, correct, seen = 0.0, 0, 0
+        batches = self.loader
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=min(len(batches), int(self.max_steps - self.steps)), desc=f"epoch {self.epoch + 1}", leave=False)
+        for x, y in batches:
+            if self.steps >= self.max_steps:
+                break
+            x, y = x.to(self.device), y.to(self.device)
+            self.optimizer.zero_grad()
+            logits = self.model(x)
+            per_example = self.loss.per_example(logits, y)
+            per_example.sum().backward()
+            monitor = self.tightness_monitor
+            if monitor is not None and monitor.due(self.steps):
+                # before the step: the noise of this step is calibrated to the report of these weights
+                monitor.check(self.model, self.loss, x, y, self.optimizer.bound_engine.compute(), self.steps)
+            self.optimizer.step()
+            if self.averaged_model is not None:
+                self._update_average()
+            self.steps += 1
+            if self.log_train_stats:  # otherwise nothing of the batch is read back: no work, nothing to leak
+                with torch.no_grad():
+                    loss_sum += float(per_example.sum())
+                    correct += int((predictions(logits) == y).sum())
+                    seen += int(y.shape[0])
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        if not self.log_train_stats:
+            return {}
+        # Computed from the training batches without noise: outside the guarantee, labelled as such.
+        return {"nonprivate_train_loss": loss_sum / max(seen, 1), "nonprivate_train_accuracy": correct / max(seen, 1)}
+
+    def fit(self) -> TrainResult:
+        """Train until the planned epochs or the privacy budget run out."""
+        while self.steps < self.max_steps:
+            start = time.perf_counter()
+            stats = self._train_epoch()
+            self._wall += time.perf_counter() - start
+            self.epoch += 1
+            row = {"epoch": self.epoch, "steps": self.steps, **stats, "epsilon": self.epsilon()}
+            row["epoch_time_s"] = time.perf_counter() - start
+            if self.log_train_stats and self.tightness_monitor is not None and self.tightness_monitor.worst:
+                row["nonprivate_max_tightness"] = max(self.tightness_monitor.worst.values())
+            if self.test_data is not None:
+                row["test_accuracy"] = evaluate(self.eval_model(), self.test_data, device=self.device)["accuracy"]
+            self.history.append(row)
+            if self.log is not None:
+                self.log(
+                    " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+                )
+            if self.checkpoint_path is not None:
+                self.save_checkpoint(self.checkpoint_path)
+        return self.result()
+
+    def result(self) -> TrainResult:
+        test_acc = self.history[-1].get("test_accuracy") if self.history else None
+        return TrainResult(
+            test_accuracy=test_acc,
+            epsilon=self.epsilon(),
+            delta=self.delta,
+            noise_multiplier=self.optimizer.noise_multiplier,
+            effective_noise_multiplier=self.optimizer.effective_noise_multiplier,
+            steps=self.steps,
+            epochs=self.steps / self.steps_per_epoch,
+            expected_batch_size=self.optimizer.expected_batch_size,
+            sample_rate=self.sample_rate,
+            sampling="poisson",
+            accountant=self.accountant.mechanism,
+            strategy=self.strategy,
+            **randomness_label(self.noise_seed),
+            wall_time_s=self._wall,
+            stopped_by_budget=self.optimizer.plan.budget_limited and self.steps >= self.max_steps,
+            history=list(self.history),
+        )
+
+    # -- checkpoints ------------------------------------------------------
+    def _config(self) -> Dict[str, Any]:
+        """The privacy configuration a checkpoint must share with the run that resumes it."""
+        plan = self.optimizer.plan
+        return {
+            "accountant": self.accountant.mechanism,
+            "sample_rate": self.sample_rate,
+            "delta": self.delta,
+            "target_epsilon": self.target_epsilon,
+            "strategy": self.strategy,
+            "layer_sigmas": dict(plan.layer_sigmas),
+            "effective_noise_multiplier": plan.step_sigma,
+            "max_steps": plan.max_steps,
+            "randomness": randomness_label(self.noise_seed)["randomness"],
+            # the same records and split: a test accuracy measured on training records would be wrong
+            "train_data": self._data_fingerprints[0],
+            "test_data": self._data_fingerprints[1],
+        }
+
+    def save_checkpoint(self, path: Union[str, Path]) -> None:
+        """Model, optimizer, accountant, generators and progress: everything a resume needs (atomic, checksummed:
+        :mod:`clipless.train.checkpoint`)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "averaged_model": self.averaged_model.state_dict() if self.averaged_model is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "accountant": self.accountant.state_dict(),
+            "sampling_generator": self.sampling_generator.get_state(),
+            "steps": self.steps,
+            "epoch": self.epoch,
+            "history": self.history,
+            "wall_time_s": self._wall,
+            "config": self._config(),
+            "run_config": self.run_config,
+        }
+        save_checkpoint(state, path)
+
+    @staticmethod
+    def read_run_config(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
+        """The ``run_config`` a checkpoint was saved with (None if the run recorded none)."""
+        return load_checkpoint(path).get("run_config")
+
+    def load_checkpoint(self, path: Union[str, Path]) -> None:
+        """Resume; refuses a checkpoint without accountant state or with another privacy configuration."""
+        state = load_checkpoint(path, map_location=self.device)
+        accountant_state = state.get("accountant")
+        if not accountant_state or (not accountant_state.get("history") and state.get("steps", 0) > 0):
+            raise ValueError(
+                f"checkpoint {path} has no accountant state: resuming would under-report epsilon; "
+                "restart training from scratch"
+            )
+        saved, current = state.get("config", {}), self._config()
+        mechanism = accountant_state.get("mechanism")
+        if mechanism != self.accountant.mechanism:
+            raise ValueError(
+                f"checkpoint {path} was accounted with the {mechanism!r} accountant but this run uses "
+                f"{self.accountant.mechanism!r}: its budget would be planned with one and spent with the other; "
+                f"resume with accountant={mechanism!r}")
+        for key in ("accountant", "sample_rate", "delta", "target_epsilon", "strategy", "effective_noise_multiplier",
+                    "layer_sigmas", "max_steps", "randomness", "train_data", "test_data"):
+            if key not in saved:
+                raise ValueError(f"checkpoint {path} does not record {key!r}: it was written by an older version; "
+                                 "restart training")
+            if saved[key] != current[key]:
+                what = ("the same records and train/test split (dataset, data files, --seed)" if key.endswith("_data")
+                        else "the same privacy configuration")
+                raise ValueError(f"checkpoint {path} has {key}={saved[key]!r} but this run has {current[key]!r}: "
+                                 f"resume with {what}")
+        self.model.load_state_dict(state["model"])
+        if self.averaged_model is not None:
+            if state.get("averaged_model") is None:
+                raise ValueError("checkpoint has no averaged model but this run averages iterates")
+            self.averaged_model.load_state_dict(state["averaged_model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.accountant.load_state_dict(state["accountant"])
+        if self.accountant.steps != state["steps"]:
+            raise ValueError("checkpoint accountant history does not match its step count")
+        self.sampling_generator.set_state(state["sampling_generator"])
+        self.steps, self.epoch = state["steps"], state["epoch"]
+        self.history = list(state.get("history", []))
+        self._wall = state.get("wall_time_s", 0.0)

@@ -1,0 +1,404 @@
+"""Logit-DP (spec §4): Gram pair norms vs autograd, the lambda trick vs explicit clipped sums,
+sensitivity under add/remove of one pair (adversarial), Naive-DP's 2C, the trainer, errors, CLI."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from clipless.privacy.accounting import compute_epsilon
+from clipless.train.baselines import standard_cnn
+from clipless.train.checkpoint import load_checkpoint, save_checkpoint
+from clipless.cli import main as cli_main
+from clipless.data.datasets import load_digits
+from clipless.contrastive.logit_dp import (
+    clip_factors,
+    logit_dp_gradient,
+    logit_dp_sensitivity,
+    logit_gradient,
+    naive_dp_gradient,
+    naive_dp_sensitivity,
+    normalized_embedding,
+    pair_gradient_norms,
+    similarity_logits,
+)
+from clipless.contrastive.pairs import AugmentedPairs, GivenPairs, random_crop_flip
+from clipless.contrastive.evaluation import knn_accuracy, linear_probe_accuracy
+from clipless.contrastive.pretrain import ContrastivePretrainer
+
+
+def _mlp(seed: int, dims=(12, 9, 6, 4), act=nn.Tanh, scale: float = 1.0, dtype=torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Flatten()]
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        layers.append(nn.Linear(a, b, bias=(i % 2 == 0)))
+        if i < len(dims) - 2:
+            layers.append(act())
+    model = nn.Sequential(*layers).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model
+
+
+def _pair_grads(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor) -> Dict[Tuple[int, int], torch.Tensor]:
+    """g_ij = grad_w cos(Phi(xa_i), Phi(xb_j)) by autograd, one pair at a time."""
+    params = [p for p in encoder.parameters()]
+    out = {}
+    for i in range(xa.shape[0]):
+        for j in range(xb.shape[0]):
+            c = (normalized_embedding(encoder, xa[i : i + 1]) * normalized_embedding(encoder, xb[j : j + 1])).sum()
+            out[i, j] = torch.cat([g.flatten() for g in torch.autograd.grad(c, params)]).double()
+    return out
+
+
+def _grad_vector(encoder: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten().double() for p in encoder.parameters()])
+
+
+@pytest.mark.parametrize("method", ["linear", "jacobian"])
+@pytest.mark.parametrize("seed", range(4))
+def test_gram_pair_norms_equal_autograd(method: str, seed: int) -> None:
+    act = (nn.Tanh, nn.ReLU, nn.GELU, nn.Softplus)[seed]
+    enc = _mlp(seed, act=act, scale=1.0 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    n = 3 + seed
+    xa, xb = torch.randn(n, 3, 4, generator=gen, dtype=torch.float64), torch.randn(n, 3, 4, generator=gen, dtype=torch.float64)
+    xb[0] = xa[0]  # identical views: cos = 1 for every w, so g_00 = 0 (A + 2C + B cancels exactly)
+    brute = _pair_grads(enc, xa, xb)
+    norms = pair_gradient_norms(enc, xa, xb, method=method, block=2)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(n)] for i in range(n)], dtype=torch.float64)
+    # squared norms agree to float64 rounding of the scale A + B (~1); norms to its square root
+    torch.testing.assert_close(norms**2, expected**2, rtol=1e-9, atol=1e-12)
+    assert float(expected[0, 0]) < 1e-12
+
+
+def test_gram_pair_norms_cnn_encoder_jacobian_path() -> None:
+    torch.manual_seed(0)
+    enc = standard_cnn((1, 6, 6), 5, channels=(3,), hidden=(7,)).double()
+    x = torch.rand(4, 1, 6, 6, dtype=torch.float64)
+    xb = random_crop_flip(x, 1, True, torch.Generator().manual_seed(1))
+    brute = _pair_grads(enc, x, xb)
+    norms = pair_gradient_norms(enc, x, xb)  # auto falls back to the Jacobian path (conv parameters)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(4)] for i in range(4)], dtype=torch.float64)
+    torch.testing.assert_close(norms**2, expected**2, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="nn.Linear"):
+        pair_gradient_norms(enc, x, xb, method="linear")
+
+
+@pytest.mark.parametrize("loss,tau", [("contrastive", 1.0), ("contrastive", 0.3), ("spreadout", 1.0)])
+@pytest.mark.parametrize("clip", [1e-3, 0.2, 1e3])
+def test_lambda_gradient_equals_sum_of_clipped_pair_gradients(loss: str, tau: float, clip: float) -> None:
+    enc = _mlp(1, act=nn.ReLU, scale=2.0)
+    gen = torch.Generator().manual_seed(7)
+    n = 5
+    xa, xb = torch.randn(n, 12, generator=gen, dtype=torch.float64), torch.randn(n, 12, generator=gen, dtype=torch.float64)
+    brute = _pair_grads(enc, xa, xb)
+    with torch.no_grad():
+        a = logit_gradient(similarity_logits(normalized_embedding(enc, xa), normalized_embedding(enc, xb), tau), loss)
+    expected = sum(a[i, j] * brute[i, j] * min(1.0, clip / float(brute[i, j].norm()))
+                   for i in range(n) for j in range(n)) / tau
+    for method in ("linear", "jacobian"):
+        logit_dp_gradient(enc, xa, xb, loss, tau, clip, method=method)
+        torch.testing.assert_close(_grad_vector(enc), expected, rtol=1e-9, atol=1e-12)
+    if clip > 1e2:  # nothing clipped: gbar is the ordinary loss gradient
+        for p in enc.parameters():
+            p.grad = None
+        from clipless.contrastive.logit_dp import LOSS_FUNCTIONS
+
+        z = similarity_logits(normalized_embedding(enc, xa), normalized_embedding(enc, xb), tau)
+        LOSS_FUNCTIONS[loss](z).backward()
+        torch.testing.assert_close(_grad_vector(enc), expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> None:
+    """The clip factors are computed in float32; with the rounding margin no clipped pair gradient exceeds B,
+    even when the clip norm sits right at the true norms and when g_ij nearly cancels (x'_j = x_i)."""
+    enc32 = _mlp(seed, dims=(12, 32, 32, 8), act=nn.ReLU, scale=3.0, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    xa = torch.randn(6, 12, generator=gen)
+    xb = xa + 1e-3 * torch.randn(6, 12, generator=gen)
+    xb[::2] = xa[::2]
+    enc64 = _mlp(seed, dims=(12, 32, 32, 8), act=nn.ReLU, scale=3.0, dtype=torch.float64)
+    true = pair_gradient_norms(enc64, xa.double(), xb.double(), method="jacobian")
+    assert float(true.min()) < 1e-6  # g_ii = 0 exactly for identical views
+    smallest = float(true[true > 1e-3].min())
+    for clip in (1e-3, smallest, float(true.median()), float(true.max()) * (1 - 1e-7)):
+        factor = clip_factors(enc32, xa, xb, clip)
+        clipped = (factor * true)[true > 1e-3]  # below: the float64 reference is itself rounding noise
+        assert bool((clipped <= clip * (1 + 1e-9)).all())
+        far = true > 10 * clip
+        if bool(far.any()):  # and the margin does not over-clip: ||g|| >= 10 B gives factor ~ B / ||g||
+            assert float((factor * true)[far].min()) > 0.99 * clip
+
+
+def _gbar(enc: nn.Module, xa: torch.Tensor, xb: torch.Tensor, loss: str, tau: float, clip: float) -> torch.Tensor:
+    logit_dp_gradient(enc, xa, xb, loss, tau, clip, method="linear")
+    return _grad_vector(enc)
+
+
+@pytest.mark.parametrize("loss,tau", [("contrastive", 1.0), ("contrastive", 0.5), ("contrastive", 2.0),
+                                      ("spreadout", 1.0)])
+def test_sensitivity_holds_for_every_removed_pair(loss: str, tau: float) -> None:
+    """||gbar(X) - gbar(X minus pair k)|| <= Delta(n) over random batches, models and every k (the worst k
+    is the adversarial choice), including tiny B (everything clipped), large weights and repeated inputs."""
+    worst = 0.0
+    for trial in range(30):
+        gen = torch.Generator().manual_seed(100 + trial)
+        n = 1 + trial % 7
+        enc = _mlp(trial, dims=(6, 10, 5), act=nn.ReLU, scale=(0.5, 3.0, 10.0)[trial % 3])
+        xa = torch.randn(n, 6, generator=gen, dtype=torch.float64)
+        xb = xa + 0.1 * torch.randn(n, 6, generator=gen, dtype=torch.float64)
+        if trial % 5 == 0:
+            xa[:] = xa[0]  # every pair the same
+            xb[:] = xb[0]
+        clip = (1e-4, 0.05, 1.0)[trial % 3]
+        full = _gbar(enc, xa, xb, loss, tau, clip)
+        bound = logit_dp_sensitivity(clip, tau, loss, batch_size=n)
+        assert bound <= logit_dp_sensitivity(clip, tau, loss) * (1 + 1e-12)
+        for k in range(n):
+            keep = [i for i in range(n) if i != k]
+            reduced = _gbar(enc, xa[keep], xb[keep], loss, tau, clip)
+            ratio = float((full - reduced).norm()) / bound
+            worst = max(worst, ratio)
+            assert ratio <= 1 + 1e-9, (trial, k, ratio)
+    assert worst > 0.05  # the test exercises the bound, not a vacuous corner
+
+
+def test_contrastive_sensitivity_values() -> None:
+    # tau = 1: Delta_inf = 2 B (1 + e^2); Delta_1 = 2B (the single pair's row only); increasing in n.
+    assert logit_dp_sensitivity(1.0, 1.0) == pytest.approx(2 * (1 + math.e**2))
+    assert logit_dp_sensitivity(0.5, 1.0, batch_size=1) == pytest.approx(1.0)
+    values = [logit_dp_sensitivity(1.0, 0.5, batch_size=n) for n in (1, 2, 10, 1000, 10**7)]
+    assert values == sorted(values) and values[-1] < logit_dp_sensitivity(1.0, 0.5)
+    # the 1/tau factor the reference code omits: tau = 0.2 multiplies the per-pair scale by 5
+    assert logit_dp_sensitivity(1.0, 0.2, batch_size=1) == pytest.approx(10.0)
+    assert logit_dp_sensitivity(2.0, 1.0, "spreadout") == 12.0
+    assert naive_dp_sensitivity(3.0) == 6.0
+    with pytest.raises(ValueError, match="tau = 1"):
+        logit_dp_sensitivity(1.0, 0.5, "spreadout")
+    with pytest.raises(ValueError, match="positive"):
+        logit_dp_sensitivity(0.0, 1.0)
+
+
+def test_naive_dp_sensitivity_two_c() -> None:
+    gen = torch.Generator().manual_seed(0)
+    enc = _mlp(3, dims=(6, 10, 5), act=nn.ReLU, scale=3.0)
+    xa = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    xb = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    naive_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1)
+    full = _grad_vector(enc)
+    assert float(full.norm()) <= 0.1 * (1 + 1e-9)
+    for k in range(6):
+        keep = [i for i in range(6) if i != k]
+        naive_dp_gradient(enc, xa[keep], xb[keep], "contrastive", 1.0, 0.1)
+        assert float((full - _grad_vector(enc)).norm()) <= naive_dp_sensitivity(0.1) * (1 + 1e-9)
+
+
+def test_empty_batch_gives_zero_gradient() -> None:
+    enc = _mlp(0)
+    empty = torch.zeros(0, 12, dtype=torch.float64)
+    for fn in (lambda: logit_dp_gradient(enc, empty, empty, "contrastive", 1.0, 1.0),
+               lambda: naive_dp_gradient(enc, empty, empty, "contrastive", 1.0, 1.0)):
+        fn()
+        assert float(_grad_vector(enc).abs().max()) == 0.0
+
+
+def test_random_crop_flip() -> None:
+    x = torch.arange(2 * 1 * 4 * 5, dtype=torch.float32).reshape(2, 1, 4, 5)
+    assert torch.equal(random_crop_flip(x, 0, False), x)
+    gen = torch.Generator().manual_seed(0)
+    out = random_crop_flip(x, 2, True, gen)
+    assert out.shape == x.shape
+    for i in range(2):  # every output pixel is 0 (padding) or a pixel of the same image
+        assert set(out[i].flatten().tolist()) <= set(x[i].flatten().tolist()) | {0.0}
+    flips = random_crop_flip(x.repeat(50, 1, 1, 1), 0, True, gen)
+    mirrored = sum(bool(torch.equal(f, x[i % 2].flip(-1))) for i, f in enumerate(flips))
+    assert 30 < mirrored < 70  # of 100, each mirrored with probability 1/2
+    with pytest.raises(ValueError, match=r"\(n, C, H, W\)"):
+        random_crop_flip(x[0], 1)
+
+
+def _digits_pairs():
+    data = load_digits()
+    return data, AugmentedPairs(data.train.features, padding=1, flip=False,
+                                seed=0)
+
+
+def _trainer(method: str, **kw) -> ContrastivePretrainer:
+    data, pairs = _digits_pairs()
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+    opts = dict(method=method, batch_size=128, epochs=2, delta=1e-4, noise_multiplier=1.0, noise_seed=0,
+                eval_pairs=AugmentedPairs(data.test.features, 1, False), progress=False, log=None)
+    opts.update(kw)
+    lr = opts.pop("lr", 1e-3)
+    return ContrastivePretrainer(enc, torch.optim.Adam(enc.parameters(), lr=lr), pairs, **opts)
+
+
+def test_trainer_epsilon_matches_accountant_and_target() -> None:
+    t = _trainer("logit_dp", target_epsilon=3.0, noise_multiplier=None)
+    result = t.fit()
+    assert result.epsilon <= 3.0
+    steps = 2 * round(1 / t.sample_rate)
+    assert result.steps == steps
+    assert result.epsilon == pytest.approx(compute_epsilon(result.noise_multiplier, t.sample_rate, steps, 1e-4))
+    assert result.sensitivity == pytest.approx(2 * (1 + math.e**2))
+    assert result.sampling.startswith("poisson")
+
+
+def test_trainer_noise_scale_is_sigma_times_sensitivity_over_b() -> None:
+    """With B tiny, gbar ~ 0 and one SGD step moves parameters by lr * N(0, (sigma Delta / b)^2)."""
+    t = _trainer("logit_dp", clip_norm=1e-12, noise_multiplier=2.0, epochs=1)
+    t.optimizer = torch.optim.SGD(t.encoder.parameters(), lr=1.0)
+    before = torch.cat([p.detach().flatten().clone() for p in t.encoder.parameters()])
+    xa, xb = t.pairs.gather(list(range(100)))
+    t._step(xa, xb)
+    moved = torch.cat([p.detach().flatten() for p in t.encoder.parameters()]) - before
+    expected = 2.0 * t.sensitivity / 128
+    assert float(moved.std()) == pytest.approx(expected, rel=0.05)
+
+
+def test_nonprivate_pretraining_learns_and_private_huge_noise_does_not() -> None:
+    free = _trainer("nonprivate", epochs=6, lr=3e-3).fit()
+    assert free.epsilon is None
+    assert free.history[-1]["eval_loss"] < free.history[0]["eval_loss"] - 0.2
+    noisy = _trainer("logit_dp", noise_multiplier=1e4, epochs=2).fit()
+    assert abs(noisy.history[-1]["eval_loss"] - noisy.history[0]["eval_loss"]) < 0.15
+
+
+def test_knn_and_probe_accuracy_above_chance() -> None:
+    data, _ = _digits_pairs()
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 32))
+    assert knn_accuracy(enc, data.train, data.test) > 0.8  # random projections keep digits' neighbourhoods
+    assert linear_probe_accuracy(enc, data.train, data.test) > 0.6
+
+
+def test_checkpoint_keeps_accountant(tmp_path) -> None:
+    t = _trainer("logit_dp", epochs=2)
+    t.epochs = 1
+    t.fit()
+    t.save_checkpoint(tmp_path / "c.pt")
+    resumed = _trainer("logit_dp", epochs=2)
+    resumed.load_checkpoint(tmp_path / "c.pt")
+    assert resumed.accountant.steps == t.accountant.steps and resumed.epoch == 1
+    assert resumed.fit().epsilon == pytest.approx(_trainer("logit_dp", epochs=2).fit().epsilon)
+    state = load_checkpoint(tmp_path / "c.pt")
+    state["accountant"] = None
+    save_checkpoint(state, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="accountant"):
+        _trainer("logit_dp").load_checkpoint(tmp_path / "bad.pt")
+
+
+def test_bad_input_errors() -> None:
+    with pytest.raises(ValueError, match="delta"):
+        _trainer("logit_dp", delta=0.01)
+    with pytest.raises(ValueError, match="tau = 1"):
+        _trainer("logit_dp", loss="spreadout", tau=0.5)
+    with pytest.raises(ValueError, match="method"):
+        _trainer("dpsgd")
+    bad = torch.rand(4, 1, 8, 8)
+    bad[1, 0, 2, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN|finite"):
+        AugmentedPairs(bad)
+    with pytest.raises(ValueError, match="differ in shape"):
+        GivenPairs(torch.rand(3, 5), torch.rand(3, 4))
+    with pytest.raises(ValueError, match="differ in shape"):
+        pair_gradient_norms(_mlp(0), torch.rand(3, 12).double(), torch.rand(2, 12).double())
+    x = torch.rand(4, 12)
+    for layer, message in ((nn.BatchNorm1d(8), "batch"), (nn.Dropout(0.1), "dropout")):
+        enc = nn.Sequential(nn.Linear(12, 8), layer, nn.Linear(8, 4))
+        with pytest.raises(ValueError, match=message):
+            logit_dp_gradient(enc, x, x, "contrastive", 1.0, 1.0)
+
+
+def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    assert cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",
+                     "--accountant", "rdp", "--no-progress", "--output-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "kNN(3) accuracy" in text and "epsilon" in text
+    import json
+
+    result = json.loads((out / "result.json").read_text())
+    assert result["epsilon"] <= 5.0 and result["method"] == "logit_dp" and (out / "encoder.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoders the fast path must not misread (privacy-by-default findings 9, 10, 13)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _max_clipped_pair_norm(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip: float) -> float:
+    """Largest ||Clip_B(g_ij)|| with the library's clip factors and brute-force autograd pair gradients."""
+    factors = clip_factors(encoder, xa, xb, clip)
+    brute = _pair_grads(encoder, xa, xb)
+    return max(float(factors[i, j]) * float(g.norm()) for (i, j), g in brute.items())
+
+
+def test_in_place_activations_do_not_skip_their_derivative() -> None:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 4)).double()
+    xa, xb = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    brute = _pair_grads(enc, xa, xb)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(5)] for i in range(5)], dtype=torch.float64)
+    torch.testing.assert_close(pair_gradient_norms(enc, xa, xb, method="linear"), expected, rtol=1e-7, atol=1e-10)
+    assert _max_clipped_pair_norm(enc, xa, xb, clip=0.05) <= 0.05 * (1 + 1e-9)
+
+
+def test_tied_weights_are_summed_before_the_norm() -> None:
+    torch.manual_seed(0)
+    first, second = nn.Linear(5, 5), nn.Linear(5, 5)
+    second.weight = first.weight  # one parameter used twice
+    enc = nn.Sequential(first, nn.Tanh(), second).double()
+    xa, xb = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    brute = _pair_grads(enc, xa, xb)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(4)] for i in range(4)], dtype=torch.float64)
+    torch.testing.assert_close(pair_gradient_norms(enc, xa, xb), expected, rtol=1e-7, atol=1e-10)
+    assert _max_clipped_pair_norm(enc, xa, xb, clip=0.05) <= 0.05 * (1 + 1e-9)
+    with pytest.raises(ValueError, match="method='linear'"):
+        pair_gradient_norms(enc, xa, xb, method="linear")
+
+
+def test_custom_module_using_a_linear_weight_directly_takes_the_exact_path() -> None:
+    class Reuse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 5)
+
+        def forward(self, x):
+            return self.fc(x) + torch.tanh(x @ self.fc.weight.T)  # a use no forward hook sees
+
+    torch.manual_seed(1)
+    enc = Reuse().double()
+    xa, xb = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    brute = _pair_grads(enc, xa, xb)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(3)] for i in range(3)], dtype=torch.float64)
+    torch.testing.assert_close(pair_gradient_norms(enc, xa, xb), expected, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_statistics_refused_whatever_the_mode(train: bool, affine: bool) -> None:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, affine=affine, track_running_stats=False), nn.Linear(8, 4))
+    enc.train(train)
+    xa, xb = torch.randn(6, 6), torch.randn(6, 6)
+    with pytest.raises(ValueError, match="couples examples"):
+        logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 1.0)
+
+
+def test_unknown_coupling_module_detected_on_the_exact_path() -> None:
+    class MixBatch(nn.Module):
+        def forward(self, x):
+            return x - 0.5 * x.mean(dim=0, keepdim=True)  # one example's output moves with the others
+
+    enc = nn.Sequential(nn.Linear(6, 8), MixBatch(), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="depends on the other examples"):
+        logit_dp_gradient(enc, torch.randn(5, 6), torch.randn(5, 6), "contrastive", 1.0, 1.0)

@@ -1,0 +1,135 @@
+"""Dataset loaders and data-independent pre-processing."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import clipless as cl
+from clipless.data.datasets import clip_norm, normalize_to_sphere, read_idx
+
+
+def test_digits_embedded():
+    data = cl.load_digits()
+    assert data.input_shape == (1, 8, 8) and data.num_classes == 10
+    assert len(data.train) + len(data.test) == 1797
+    assert float(data.train.features.max()) <= 1.0 and float(data.train.features.min()) >= 0.0
+
+
+def test_mnist_from_directory(shared_data):
+    data = cl.load_mnist(shared_data / "mnist")
+    assert len(data.train) == 60000 and len(data.test) == 10000
+    assert data.input_shape == (1, 28, 28)
+    assert set(data.train.labels.unique().tolist()) == set(range(10))
+    norms = data.train.features.flatten(1).norm(dim=1)
+    assert float(norms.max()) <= 28.0  # pixels in [0, 1]
+
+
+def test_mnist_missing_directory():
+    with pytest.raises(FileNotFoundError):
+        cl.load_mnist("/nonexistent/mnist")
+
+
+def test_read_idx_roundtrip(tmp_path):
+    arr = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    path = tmp_path / "x-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as fh:
+        fh.write(bytes([0, 0, 0x08, 3]) + struct.pack(">III", 2, 3, 4) + arr.tobytes())
+    assert np.array_equal(read_idx(path), arr)
+    bad = tmp_path / "bad.gz"
+    with gzip.open(bad, "wb") as fh:
+        fh.write(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + b"\x00" * 3)
+    with pytest.raises(ValueError, match="expected 10 values"):
+        read_idx(bad)
+
+
+def test_tabular_npz_and_csv(shared_data, tmp_path):
+    data = cl.load_tabular(shared_data / "adbench" / "47_yeast.npz")
+    total = len(data.train) + len(data.test)
+    assert abs(len(data.test) / total - 0.2) < 0.01
+    assert data.num_classes == 2
+    # stratified: same anomaly rate in both parts
+    assert abs(float(data.train.labels.float().mean()) - float(data.test.labels.float().mean())) < 0.02
+    csv = tmp_path / "t.csv"
+    rows = "\n".join(f"{i},{i * 0.5},{i % 2}" for i in range(50))
+    csv.write_text("a,b,label\n" + rows + "\n")
+    d2 = cl.load_tabular(csv, label_column="label")
+    assert d2.input_shape == (2,) and len(d2.train) == 40
+
+
+def test_tabular_nan_refused(tmp_path):
+    path = tmp_path / "nan.npz"
+    x = np.random.rand(20, 3)
+    x[2, 1] = np.nan
+    np.savez(path, X=x, y=np.arange(20) % 2)
+    with pytest.raises(ValueError, match="NaN"):
+        cl.load_tabular(path)
+
+
+def test_preprocessing_is_per_example():
+    x = torch.randn(5, 3, 2) * 10
+    x[0] = 0
+    clipped = clip_norm(x, 2.0)
+    assert float(clipped.flatten(1).norm(dim=1).max()) <= 2.0 + 1e-6
+    sphere = normalize_to_sphere(x, 3.0)
+    norms = sphere.flatten(1).norm(dim=1)
+    assert norms[0] == 0 and torch.allclose(norms[1:], torch.full((4,), 3.0))
+    # one example's output does not depend on the others (no batch statistics)
+    assert torch.equal(clip_norm(x[2:3], 2.0), clipped[2:3])
+
+
+def test_dataset_name_errors():
+    with pytest.raises(ValueError, match="--data-dir"):
+        cl.load_dataset("mnist")
+    with pytest.raises(ValueError, match="unknown dataset"):
+        cl.load_dataset("cifar")
+
+
+def test_colour_spaces_match_independent_formulas():
+    import colorsys
+
+    from clipless.data.datasets import convert_colour_space
+
+    x = torch.rand(20, 3, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[0] = 0.5  # grey: hue and saturation 0
+    x[1] = 0.0  # black
+    hsv, yuv, grey = (convert_colour_space(x, s) for s in ("hsv", "yuv", "grayscale"))
+    for n in range(20):
+        for i in range(3):
+            for j in range(2):
+                r, g, b = x[n, :, i, j].tolist()
+                assert hsv[n, :, i, j].tolist() == pytest.approx(colorsys.rgb_to_hsv(r, g, b), abs=1e-12)
+                y = 0.299 * r + 0.587 * g + 0.114 * b
+                expected = [y, 0.492111 * (b - y), 0.877283 * (r - y)]  # BT.601 U, V from their definitions
+                assert yuv[n, :, i, j].tolist() == pytest.approx(expected, abs=1e-4)  # published 5-digit weights
+                assert float(grey[n, 0, i, j]) == pytest.approx(y)
+    assert torch.equal(convert_colour_space(x, "rgb"), x)
+    assert grey.shape == (20, 1, 3, 2)
+
+
+def test_colour_space_errors():
+    from clipless.data.datasets import convert_colour_space
+
+    with pytest.raises(ValueError, match="3 channels"):
+        convert_colour_space(torch.rand(4, 1, 8, 8), "hsv")
+    with pytest.raises(ValueError, match="unknown colour space"):
+        convert_colour_space(torch.rand(4, 3, 8, 8), "lab")
+    bad = torch.rand(4, 3, 8, 8)
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError):
+        convert_colour_space(bad, "yuv")
+
+
+def test_input_norms_and_histogram_figure(tmp_path):
+    from clipless.data.datasets import input_norms
+    from clipless.diagnostics.plots import plot_norm_histograms
+
+    x = torch.rand(50, 3, 4, 4)
+    norms = input_norms(x)
+    assert torch.allclose(norms, x.flatten(1).double().norm(dim=1))
+    path = plot_norm_histograms({"rgb": norms}, tmp_path / "h.png", clip=2.0)
+    assert path.stat().st_size > 1000

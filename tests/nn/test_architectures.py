@@ -1,0 +1,108 @@
+"""VGG, ResNet and MLP-Mixer builders: true per-example gradients within the bounds, Lipschitz constants sound."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import clipless as cl
+from clipless.privacy.bounds import BoundEngine
+from clipless.cli import main as cli_main
+
+from helpers import CLASSES, TOL, check, measured_lipschitz
+
+SHAPE = (1, 8, 8)
+
+BUILDERS = {
+    "vgg": lambda: cl.lipschitz_vgg(SHAPE, CLASSES, channels=(4, 6), input_clip=2.0),
+    "resnet": lambda: cl.lipschitz_resnet(SHAPE, CLASSES, channels=(4, 6), blocks_per_stage=2),
+    "mixer": lambda: cl.lipschitz_mixer(SHAPE, CLASSES, patch_size=4, channels=8, blocks=2, token_hidden=4,
+                                        channel_hidden=8),
+    "mixer_groupsort": lambda: cl.lipschitz_mixer(SHAPE, CLASSES, patch_size=2, channels=4, blocks=1,
+                                                  token_hidden=8, channel_hidden=8, activation="groupsort4"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_architecture_gradient_bounds_hold(name):
+    """Random and 'trained' (perturbed then projected) weights; random and gradient-ascent inputs."""
+    model = BUILDERS[name]()
+    worst = check(model, SHAPE, radius=3.0)
+    # Not vacuous, though random convolutions contract most inputs far below their operator norm.
+    assert max(worst["random"].values()) > 0.01
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_architecture_lipschitz_constant_is_an_upper_bound(name):
+    torch.manual_seed(1)
+    model = BUILDERS[name]()
+    engine = BoundEngine(model, SHAPE, 3.0, 1.0)
+    model(torch.zeros((1,) + SHAPE))  # convolutions learn the input size for the FFT projection
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    engine.project_()
+    declared = engine.lipschitz_constant()
+    assert declared <= 1.0 + 1e-5  # every block is 1-Lipschitz after projection
+    assert measured_lipschitz(model, SHAPE, radius=3.0, restarts=6) <= declared * (1 + TOL)
+
+
+def test_residual_blocks_use_the_graph_engine():
+    model = cl.lipschitz_resnet(SHAPE, CLASSES, channels=(4,), blocks_per_stage=2)
+    assert sum(isinstance(m, cl.Residual) for m in model.modules()) == 2
+    report = BoundEngine(model, SHAPE, 1.0, 1.0).compute()
+    inside = [layer for layer in report.layers if ".branch." in layer.name]
+    # parameters inside a residual branch see the halved gradient bound G/2 of y = (x + h(x))/2
+    assert inside and all(layer.grad_out_bound <= 0.5 * (1 + 1e-6) for layer in inside)
+
+
+def test_dense_bias_over_tokens_has_factor_sqrt_positions():
+    """A bias broadcast over T tokens gets gradient sum_t g_t: factor sqrt(T), attained when all g_t are equal."""
+    tokens, width = 9, 5
+    dense = cl.LipschitzLinear(width, width, bias=True, projection="spectral")
+    head = cl.LipschitzLinear(tokens * width, CLASSES, projection="spectral")
+    with torch.no_grad():
+        block = torch.linalg.qr(torch.randn(width, CLASSES))[0].T  # orthonormal rows
+        head.weight.copy_(block.repeat(1, tokens) / math.sqrt(tokens))  # same gradient for every token
+    model = nn.Sequential(dense, nn.Flatten(), head)
+    loss = cl.TauCrossEntropy(2.0)
+    report = BoundEngine(model, (tokens, width), 1.0, loss.lipschitz).compute()
+    layer = report.layers[0]
+    bias_bound = layer.tensor_bounds[1]
+    assert bias_bound == pytest.approx(math.sqrt(tokens) * layer.grad_out_bound)
+    x = torch.randn(16, tokens, width)
+    x = x / x.flatten(1).norm(dim=1).reshape(-1, 1, 1)
+    y = torch.randint(0, CLASSES, (16,))
+    worst = 0.0
+    for i in range(16):
+        dense.bias.grad = None
+        loss.per_example(model(x[i : i + 1]), y[i : i + 1]).sum().backward()
+        worst = max(worst, float(dense.bias.grad.norm()) / layer.grad_out_bound)
+    assert worst <= math.sqrt(tokens) * (1 + TOL)
+    assert worst > 1.5  # a factor of 1 (the spec §6 pitfall) would be violated
+    check(nn.Sequential(cl.LipschitzLinear(width, width, bias=True), nn.Flatten(),
+                        cl.LipschitzLinear(tokens * width, CLASSES)), (tokens, width), radius=1.0)
+
+
+def test_mixer_rejects_patches_that_do_not_tile():
+    with pytest.raises(ValueError, match="patches"):
+        cl.lipschitz_mixer((1, 8, 8), 10, patch_size=3)
+
+
+def test_permute_rejects_the_batch_axis():
+    with pytest.raises(ValueError, match="permutation"):
+        cl.Permute(0, 1)
+
+
+@pytest.mark.parametrize("model", ["vgg", "resnet", "mixer"])
+def test_cli_trains_each_architecture(tmp_path, model):
+    out = tmp_path / model
+    cli_main(["train", "--model", model, "--channels", "8", "8", "--hidden", "--epochs", "1", "--batch-size", "256",
+              "--epsilon", "2", "--patch-size", "4", "--output-dir", str(out), "--no-progress"])
+    result = json.loads((out / "result.json").read_text())
+    assert result["config"]["model"] == model
+    assert 0.0 <= result["test_accuracy"] <= 1.0 and result["epsilon"] <= 2.0 + 1e-9

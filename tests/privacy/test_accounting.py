@@ -1,0 +1,126 @@
+"""Accountant: literal values, an independent RDP implementation, per-layer sigma_eff, calibration."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import rdp
+
+import clipless as cl
+from clipless.privacy.accounting import check_delta
+
+SIGMA, Q, STEPS, DELTA = 1.1, 256 / 60000, 14062, 1e-5
+
+
+def independent_rdp_epsilon(sigma: float, q: float, steps: int, delta: float, orders) -> float:
+    """Poisson-subsampled Gaussian RDP at integer orders (Mironov et al. 2019, binomial expansion),
+    converted with the bound of Balle et al. 2020 / Canonne et al. (as Opacus does). Written from the
+    formulas, not from dp-accounting."""
+    best = math.inf
+    for a in orders:
+        k = np.arange(a + 1)
+        log_binom = np.array([math.lgamma(a + 1) - math.lgamma(i + 1) - math.lgamma(a - i + 1) for i in k])
+        with np.errstate(divide="ignore"):
+            terms = log_binom + (a - k) * np.log1p(-q) + k * np.log(q) + (k * k - k) / (2 * sigma**2)
+        m = terms.max()
+        rdp_a = steps * (m + math.log(np.exp(terms - m).sum())) / (a - 1)
+        eps = rdp_a + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1)
+        best = min(best, eps)
+    return best
+
+
+def test_literal_reference_values():
+    assert cl.compute_epsilon(SIGMA, Q, STEPS, DELTA, "rdp") == pytest.approx(2.5966, abs=1e-3)
+    assert cl.compute_epsilon(SIGMA, Q, STEPS, DELTA, "pld") == pytest.approx(2.3817, abs=1e-3)
+
+
+def test_rdp_matches_independent_implementation():
+    orders = list(range(2, 129))
+    ours = independent_rdp_epsilon(SIGMA, Q, STEPS, DELTA, orders)
+    acc = rdp.RdpAccountant(orders=orders)
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(Q, dp_accounting.GaussianDpEvent(SIGMA)), STEPS))
+    assert acc.get_epsilon(DELTA) == pytest.approx(ours, rel=1e-6)
+    # fractional orders (dp-accounting default) can only help
+    assert cl.compute_epsilon(SIGMA, Q, STEPS, DELTA, "rdp") <= ours + 1e-9
+
+
+@pytest.mark.parametrize("sigma,q,steps", [(0.8, 0.01, 500), (2.0, 0.1, 200), (5.0, 0.5, 50)])
+def test_rdp_independent_other_regimes(sigma, q, steps):
+    orders = list(range(2, 257))
+    acc = rdp.RdpAccountant(orders=orders)
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+    assert acc.get_epsilon(1e-5) == pytest.approx(independent_rdp_epsilon(sigma, q, steps, 1e-5, orders), rel=1e-6)
+
+
+def test_pld_is_tighter_than_rdp_but_close():
+    pld_eps = cl.compute_epsilon(1.0, 0.02, 1000, 1e-5, "pld")
+    rdp_eps = cl.compute_epsilon(1.0, 0.02, 1000, 1e-5, "rdp")
+    assert pld_eps <= rdp_eps and pld_eps > 0.7 * rdp_eps
+
+
+def test_effective_sigma_rule_matches_nested_composition():
+    sigmas = [1.5, 2.0, 3.0, 4.0]
+    eff = cl.effective_noise_multiplier(sigmas)
+    assert eff == pytest.approx(sum(s**-2 for s in sigmas) ** -0.5)
+    assert cl.effective_noise_multiplier([2.0] * 4) == pytest.approx(1.0)  # sigma / sqrt(D)
+    q, steps = 0.05, 300
+    nested = rdp.RdpAccountant()
+    nested.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(s) for s in sigmas])), steps))
+    assert cl.compute_epsilon(eff, q, steps, 1e-5, "rdp") == pytest.approx(nested.get_epsilon(1e-5), rel=1e-9)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_noise_calibration_round_trip(accountant):
+    q, steps, target = 0.01, 2000, 1.5
+    sigma = cl.calibrate_noise_multiplier(target, 1e-5, q, steps, accountant, tol=1e-3)
+    eps = cl.compute_epsilon(sigma, q, steps, 1e-5, accountant)
+    assert eps <= target  # never above target (spec §6)
+    assert eps >= target * 0.99
+    assert cl.compute_epsilon(sigma * 0.995, q, steps, 1e-5, accountant) > target * 0.999
+
+
+def test_steps_calibration_round_trip():
+    q, sigma, target = 0.02, 1.2, 2.0
+    steps = cl.calibrate_steps(target, 1e-5, q, sigma, "rdp")
+    assert cl.compute_epsilon(sigma, q, steps, 1e-5, "rdp") <= target
+    assert cl.compute_epsilon(sigma, q, steps + 1, 1e-5, "rdp") > target
+    assert cl.calibrate_steps(1e-4, 1e-5, 0.5, 0.3, "rdp") == 0
+
+
+def test_accountant_history_and_state():
+    acc = cl.PrivacyAccountant("rdp")
+    assert acc.get_epsilon(1e-5) == 0.0
+    for _ in range(100):
+        acc.step(1.0, 0.01)
+    acc.step(2.0, 0.01, steps=50)
+    assert acc.history == [(1.0, 0.01, 100), (2.0, 0.01, 50)]
+    clone = cl.PrivacyAccountant("pld")
+    clone.load_state_dict(acc.state_dict())
+    assert clone.mechanism == "rdp" and clone.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
+    expected = rdp.RdpAccountant()
+    for s, n in [(1.0, 100), (2.0, 50)]:
+        expected.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(s)), n)
+    assert acc.get_epsilon(1e-5) == pytest.approx(expected.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_delta_must_be_below_one_over_n():
+    check_delta(1e-5, 60000)
+    with pytest.raises(ValueError, match="1/N"):
+        check_delta(1e-3, 60000)
+    with pytest.raises(ValueError):
+        check_delta(0.0, 10)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        cl.PrivacyAccountant("moments")
+    with pytest.raises(ValueError):
+        cl.PrivacyAccountant().step(0.0, 0.1)
+    with pytest.raises(ValueError):
+        cl.PrivacyAccountant().step(1.0, 1.5)

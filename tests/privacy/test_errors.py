@@ -1,0 +1,178 @@
+"""Bad input gets a clear error, never a silent wrong epsilon."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import clipless as cl
+from clipless.privacy.bounds import BoundEngine
+from clipless.privacy.certified import BoundError
+from clipless.train.checkpoint import load_checkpoint, save_checkpoint
+
+SHAPE = (1, 4, 4)
+
+
+def trainer_for(model, data, **kw):
+    args = dict(input_shape=SHAPE, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0, progress=False, log=None)
+    args.update(kw)
+    return cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(), data, **args)
+
+
+@pytest.fixture
+def data():
+    torch.manual_seed(0)
+    return cl.ArrayDataset(torch.rand(64, *SHAPE), torch.randint(0, 3, (64,)))
+
+
+def test_nan_data_refused():
+    x = torch.rand(10, *SHAPE)
+    x[3, 0, 1, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        cl.ArrayDataset(x, torch.zeros(10, dtype=torch.long))
+
+
+def test_nan_input_at_training_time_refused(data):
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    trainer_for(model, data)
+    x = torch.rand(2, *SHAPE)
+    x[0, 0, 0, 0] = float("inf")
+    with pytest.raises(BoundError, match="NaN or infinite"):
+        model(x)
+
+
+def test_delta_not_below_one_over_n_refused(data):
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match="1/N"):
+        trainer_for(model, data, delta=1 / 64)
+
+
+@pytest.mark.parametrize("bad", [nn.Linear(16, 3), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Tanh()])
+def test_layer_without_declared_bounds_refused(bad, data):
+    tail = [bad, cl.LipschitzLinear(16, 3)] if not isinstance(bad, nn.Linear) else [bad]
+    model = nn.Sequential(cl.InputNormClip(1.0), nn.Flatten(), *tail)
+    with pytest.raises(BoundError, match="declares no Lipschitz/gradient bounds"):
+        trainer_for(model, data)
+
+
+def test_parameter_without_bound_refused():
+    class Sneaky(cl.BoundedModule):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return x * self.scale
+
+        def layer_bound(self, x_bound, in_shape):
+            return cl.LayerBound(1.0, x_bound)  # forgets the parameter
+
+    model = nn.Sequential(nn.Flatten(), Sneaky(), cl.LipschitzLinear(16, 3))
+    with pytest.raises(BoundError, match="declares no bound for parameter 'scale'"):
+        BoundEngine(model, SHAPE, 1.0, 1.0).compute()
+
+
+def test_shared_module_refused():
+    layer = cl.LipschitzLinear(4, 4)
+    with pytest.raises(BoundError, match="used twice"):
+        BoundEngine(nn.Sequential(layer, cl.MaxMin(), layer), (4,), 1.0, 1.0)
+
+
+def test_shape_mismatch_refused(data):
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    trainer_for(model, data)
+    with pytest.raises(BoundError, match="per-example shape"):
+        model(torch.rand(2, 1, 16))
+    with pytest.raises(BoundError, match="does not accept inputs"):
+        BoundEngine(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,)), (1, 5, 5), 1.0, 1.0)
+
+
+def test_input_bound_violated_by_data_refused(data):
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,))
+    trainer = trainer_for(model, data, input_bound=0.5)  # rand(1,4,4) has norm ~2.3
+    with pytest.raises(BoundError, match="declared input_bound"):
+        trainer.fit()
+
+
+def test_missing_input_bound_refused(data):
+    with pytest.raises(BoundError, match="no input bound"):
+        trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,)), data)
+
+
+def test_loss_without_lipschitz_constant_refused(data):
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(BoundError, match="declares no Lipschitz constant"):
+        cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=data, loss=nn.CrossEntropyLoss(), noise_multiplier=1.0,
+                                        input_shape=SHAPE, batch_size=8)
+
+
+def test_resume_without_accountant_state_refused(data, tmp_path):
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    trainer = trainer_for(model, data)
+    trainer.fit()
+    path = tmp_path / "ckpt.pt"
+    trainer.save_checkpoint(path)
+    state = load_checkpoint(path)
+    del state["accountant"]
+    save_checkpoint(state, path)
+    fresh = trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data)
+    with pytest.raises(ValueError, match="no accountant state"):
+        fresh.load_checkpoint(path)
+
+
+def test_resume_with_other_privacy_config_refused(data, tmp_path):
+    trainer = trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data)
+    trainer.fit()
+    trainer.save_checkpoint(tmp_path / "c.pt")
+    other = trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data, noise_multiplier=0.5)
+    with pytest.raises(ValueError, match="effective_noise_multiplier"):
+        other.load_checkpoint(tmp_path / "c.pt")
+
+
+def test_centering_over_batch_axis_refused():
+    with pytest.raises(ValueError, match="batch axis"):
+        cl.LayerCentering(dims=(0, 1))
+
+
+def test_budget_too_small_for_one_step(data):
+    with pytest.raises(ValueError, match="single step"):
+        trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data, noise_multiplier=0.05,
+                    target_epsilon=0.01, accountant="rdp")
+
+
+@pytest.mark.parametrize("width", [16, 784, 3969, 100_000])
+def test_input_bound_check_is_exact_near_the_bound(width):
+    """The float32 fast path of the data-bound check never lets an input above the bound through."""
+    from clipless.privacy.input_guard import largest_norm as _largest_norm
+
+    gen = torch.Generator().manual_seed(width)
+    bound = 3.0
+    for rel in (-1e-4, -1e-6, 0.0, 2e-6, 1e-5, 1e-3):
+        x = torch.rand(8, width, generator=gen, dtype=torch.float64) + 1e-3
+        x = x / x.norm(dim=1, keepdim=True) * bound * (1 + rel)
+        x32 = x.float()
+        exact = float(x32.double().norm(dim=1).max())
+        got = _largest_norm(x32, bound)
+        if exact > bound * (1 + 1e-6):
+            assert got > bound * (1 + 1e-6)
+        gamma = 2 * width * 2.0**-24  # the float32 path is only taken when this error cannot cross the bound
+        assert abs(got - exact) <= gamma * exact + 1e-12
+    x = torch.full((2, width), 1e-3)
+    assert _largest_norm(x, bound) == pytest.approx(float(x.double().norm(dim=1).max()), rel=2 * width * 2.0**-24)
+
+
+def test_nan_and_inf_inputs_refused_by_the_guard():
+    model = cl.lipschitz_mlp((5,), 3, hidden=(4,), input_clip=1.0)
+    engine = cl.PrivacyEngine()
+    model, _, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      data=cl.ArrayDataset(torch.rand(20, 5), torch.randint(0, 3, (20,))),
+                                      loss=cl.TauCrossEntropy(1.0), noise_multiplier=1.0, input_shape=(5,),
+                                      batch_size=5)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.rand(4, 5)
+        x[2, 3] = bad
+        with pytest.raises(BoundError, match="NaN or infinite"):
+            model(x)
+    model(torch.full((2, 5), 3e38))  # finite entries whose sum overflows are still accepted

@@ -1,0 +1,569 @@
+"""The guarantee holds by default, at every public entry point (the privacy-by-default findings).
+
+For each entry point: epsilon after the run <= target; the noise drawn per parameter is the plan's;
+two default runs on the same data release different weights (secret randomness); and nothing released
+is computed from training data without noise (checked by training with learning rate 0 on neighbouring
+datasets: then only an unnoised statistic of the data could tell them apart).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from fractions import Fraction
+
+import pytest
+import torch
+from torch import nn
+
+import clipless as cl
+from clipless.privacy.certified import BoundError
+from clipless.privacy.calibration import BudgetExhaustedError, plan_noise
+from clipless.train.checkpoint import load_checkpoint
+from clipless.cli import main as cli_main
+from clipless.privacy.randomness import secret_generator
+from clipless.privacy.sampling import SAMPLING_BITS, poisson_threshold, realised_sample_rate
+from helpers import capture_released, empty_batch_backward
+
+SHAPE = (1, 4, 4)
+TIMES = ("wall_time_s", "epoch_time_s")
+
+
+def _data(n=64, classes=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return cl.ArrayDataset(torch.rand(n, *SHAPE, generator=gen), torch.randint(0, classes, (n,), generator=gen))
+
+
+def _model(seed=0, clip=None):
+    torch.manual_seed(seed)  # initialization: public
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=2.0)
+    if clip is not None:
+        model.append(clip)
+    return model
+
+
+def _weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _strip_times(value):
+    if isinstance(value, dict):
+        return {k: _strip_times(v) for k, v in value.items() if k not in TIMES}
+    if isinstance(value, list):
+        return [_strip_times(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding 1: the default randomness is secret
+# --------------------------------------------------------------------------------------------------
+
+
+def _mt_init_recurrence_holds(words):
+    """A Mersenne Twister state made by manual_seed(s) follows w[i] = 1812433253 (w[i-1] ^ w[i-1] >> 30) + i."""
+    return all(words[i] == (1812433253 * (words[i - 1] ^ (words[i - 1] >> 30)) + i) & 0xFFFFFFFF for i in range(1, 624))
+
+
+def _mt_words(generator):
+    state = bytes(generator.get_state()[24 : 24 + 8 * 624].tolist())
+    return [w & 0xFFFFFFFF for w in struct.unpack("<624Q", state)]
+
+
+def test_secret_generator_state_is_not_a_32_bit_seed():
+    seeded = torch.Generator().manual_seed(2**40 + 7)
+    assert _mt_init_recurrence_holds(_mt_words(seeded))  # torch keeps 32 bits of a seed: searchable
+    assert torch.equal(torch.rand(4, generator=seeded), torch.rand(4, generator=torch.Generator().manual_seed(7)))
+    a, b = secret_generator(), secret_generator()
+    assert not _mt_init_recurrence_holds(_mt_words(a))  # 19,968 bits from os.urandom
+    assert not torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
+
+
+def test_poisson_sampler_default_batches_differ_between_instances():
+    first = [list(b) for b in cl.PoissonBatchSampler(1000, 0.1, steps_per_epoch=3)]
+    second = [list(b) for b in cl.PoissonBatchSampler(1000, 0.1, steps_per_epoch=3)]
+    assert first != second
+
+
+def _engine_setup(**kw):
+    model = _model()
+    engine = cl.PrivacyEngine("rdp")
+    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=_data(),
+                loss=cl.TauCrossEntropy(4.0), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0)
+    args.update(kw)
+    return (engine, *engine.make_private(**args))
+
+
+def _one_epoch(model, opt, loader, loss):
+    for x, y in loader:
+        opt.zero_grad()
+        loss.per_example(model(x), y).sum().backward()
+        opt.step()
+    return _weights(model)
+
+
+def test_make_private_defaults_draw_different_batches_and_noise():
+    _, m1, o1, l1 = _engine_setup()
+    _, m2, o2, l2 = _engine_setup()
+    assert [b[1].tolist() for b in l1] != [b[1].tolist() for b in l2]
+    loss = cl.TauCrossEntropy(4.0)
+    assert not torch.equal(_one_epoch(m1, o1, l1, loss), _one_epoch(m2, o2, l2, loss))
+
+
+def test_replay_attack_fails_on_default_runs():
+    """The audit's attack: retrain with the public init seed on the same data and match the weights."""
+    def run(**kw):
+        model = _model()
+        trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=0.01), cl.TauCrossEntropy(4.0),
+                                    _data(), input_shape=SHAPE, batch_size=8, delta=1e-3, epochs=1,
+                                    target_epsilon=1.0, accountant="rdp", progress=False, log=None, **kw)
+        return trainer.fit(), _weights(model)
+
+    (released, w_released), (_, w_replayed) = run(), run()
+    assert released.private and not torch.equal(w_released, w_replayed)
+    (fixed, w_a), (_, w_b) = run(noise_seed=3), run(noise_seed=3)
+    assert torch.equal(w_a, w_b)  # reproducible on request ...
+    assert not fixed.private and "NOT private" in fixed.privacy_note  # ... and labelled
+
+
+def _cli_train(tmp_path, name, *extra):
+    out = tmp_path / name
+    cli_main(["train", "--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant", "rdp",
+              "--output-dir", str(out), *extra])
+    return json.loads((out / "result.json").read_text()), load_checkpoint(out / "checkpoint.pt")
+
+
+def test_cli_default_runs_are_private_and_differ(tmp_path, capsys):
+    first, ckpt1 = _cli_train(tmp_path, "a")
+    second, ckpt2 = _cli_train(tmp_path, "b")
+    printed = capsys.readouterr().out
+    assert first["private"] is True and first["randomness"] == "os-entropy"
+    assert "private (noise and batches from OS entropy)" in printed
+    assert not all(torch.equal(a, b) for a, b in zip(ckpt1["model"].values(), ckpt2["model"].values()))
+    fixed, _ = _cli_train(tmp_path, "c", "--noise-seed", "5")
+    assert fixed["private"] is False and "NOT PRIVATE" in capsys.readouterr().out
+
+
+def test_pretrainer_and_pairs_default_randomness_differs():
+    data = cl.load_digits()
+    images = data.train.features[:64]
+
+    def run():
+        torch.manual_seed(0)
+        encoder = nn.Sequential(nn.Flatten(), nn.Linear(64, 8))
+        trainer = cl.contrastive.ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1),
+                                           cl.contrastive.AugmentedPairs(images, padding=1), batch_size=16, epochs=1, delta=1e-3,
+                                           noise_multiplier=1.0, progress=False, log=None)
+        result = trainer.fit()
+        return result, _weights(encoder)
+
+    (r1, w1), (r2, w2) = run(), run()
+    assert r1.private and not torch.equal(w1, w2)
+    a, b = cl.contrastive.AugmentedPairs(images, padding=2), cl.contrastive.AugmentedPairs(images, padding=2)
+    assert not torch.equal(a.gather(list(range(32)))[0], b.gather(list(range(32)))[0])
+
+
+def test_augmentations_of_a_record_do_not_depend_on_other_records():
+    images = torch.rand(6, 1, 8, 8)
+    full = cl.contrastive.AugmentedPairs(images, padding=2, seed=1)
+    without = cl.contrastive.AugmentedPairs(images[[0, 2, 3, 4, 5]], padding=2, seed=1)  # record 1 removed
+    for _ in range(3):  # several draws, in different batch orders
+        a = full.gather([5, 0, 1, 3])
+        b = without.gather([4, 0, 2])
+        assert torch.equal(a[0][[0, 1, 3]], b[0]) and torch.equal(a[1][[0, 1, 3]], b[1])
+
+
+def test_dpsgd_baseline_noise_is_secret_by_default():
+    pytest.importorskip("opacus")
+    from clipless.train.baselines import standard_mlp, train_dpsgd
+
+    def run(**kw):
+        torch.manual_seed(0)
+        model = standard_mlp(SHAPE, 3, hidden=[8])
+        result = train_dpsgd(model, _data(), batch_size=16, epochs=1, delta=1e-3, max_grad_norm=1.0,
+                             noise_multiplier=1.0, seed=0, progress=False, **kw)
+        return result, _weights(model)
+
+    (r1, w1), (_, w2) = run(), run()
+    assert r1.private and not torch.equal(w1, w2)
+    (r3, w3), (_, w4) = run(noise_seed=2), run(noise_seed=2)
+    assert not r3.private and torch.equal(w3, w4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding 2 and 11: nothing released is computed from training data without noise
+# --------------------------------------------------------------------------------------------------
+
+
+def _other_dataset(data):
+    """Same size (so the same Poisson batches under one seed), every record changed: with lr = 0 the release
+    must not move at all, and an unnoised statistic (a batch loss) moves for sure, not only when the one
+    changed record of a neighbour happens to be sampled."""
+    return cl.ArrayDataset(1.0 - data.features, (data.labels + 1) % 3)
+
+
+def test_trainer_releases_nothing_unnoised():
+    """lr = 0: the weights never move, so every released field must be the same on neighbouring data."""
+    def release(data, **kw):
+        model = _model()
+        lines = []
+        trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), cl.TauCrossEntropy(4.0), data,
+                                    input_shape=SHAPE, batch_size=16, delta=1e-3, epochs=2, target_epsilon=2.0,
+                                    accountant="rdp", noise_seed=0, test_data=_data(32, seed=9), progress=False,
+                                    log=lines.append, **kw)
+        return _strip_times(trainer.fit().to_dict()), [l.split(" epoch_time_s")[0] for l in lines]
+
+    data = _data()
+    assert release(data) == release(_other_dataset(data))
+    opted = release(data, log_train_stats=True)[0]
+    assert "nonprivate_train_loss" in opted["history"][0]  # only on request, and labelled
+    assert opted != release(_other_dataset(data), log_train_stats=True)[0]  # (which is why it is opt-in)
+
+
+def test_pretrainer_releases_nothing_unnoised():
+    images = torch.rand(64, 1, 6, 6, generator=torch.Generator().manual_seed(0))
+    other = torch.rand(64, 1, 6, 6, generator=torch.Generator().manual_seed(5))  # every pair changed
+
+    def release(imgs, **kw):
+        torch.manual_seed(0)
+        encoder = nn.Sequential(nn.Flatten(), nn.Linear(36, 8))
+        trainer = cl.contrastive.ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.0),
+                                           cl.contrastive.AugmentedPairs(imgs, padding=1, seed=3), batch_size=16, epochs=2,
+                                           delta=1e-3, target_epsilon=3.0, accountant="rdp", noise_seed=1,
+                                           progress=False, log=None, **kw)
+        return _strip_times(trainer.fit().to_dict())
+
+    assert release(images) == release(other)
+    opted = release(images, log_train_stats=True)
+    assert "nonprivate_clipped_fraction" in opted["history"][1]
+    assert opted != release(other, log_train_stats=True)
+
+
+def test_cli_pretrain_evaluates_on_the_test_split_only(tmp_path):
+    out = tmp_path / "pre"
+    cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",
+              "--accountant", "rdp", "--no-progress", "--output-dir", str(out)])
+    result = json.loads((out / "result.json").read_text())
+    assert result["private"] is True and "test split" in result["evaluation"]
+    assert all("clipped" not in key for row in result["history"] for key in row)
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding 3: one noise plan; every entry point within its target
+# --------------------------------------------------------------------------------------------------
+
+COMBOS = [
+    dict(strategy="global"),
+    dict(strategy="per_layer"),
+    dict(strategy="per_layer", layer_noise_multipliers="energy"),
+    dict(strategy="per_layer", layer_noise_multipliers={"2": 1.0, "4": 8.0}),
+    dict(strategy="global", adaptive=True),
+    dict(strategy="per_layer", layer_noise_multipliers={"2": 1.0, "4": 0.2}, adaptive=True),
+]
+
+
+def _clip(combo):
+    return cl.AdaptiveLossGradientClip(1.0, count_noise_multiplier=3.0) if combo.get("adaptive") else None
+
+
+# Every combination with RDP; PLD (slower to calibrate, same plan code) on the simplest and the richest one.
+ENTRY_CASES = [(c, "rdp") for c in COMBOS] + [(COMBOS[0], "pld"), (COMBOS[-1], "pld")]
+
+
+@pytest.mark.parametrize("combo, accountant", ENTRY_CASES,
+                         ids=lambda c: c if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items()))
+def test_make_private_with_epsilon_stays_within_target(combo, accountant):
+    kw = {k: v for k, v in combo.items() if k != "adaptive"}
+    model = _model(clip=_clip(combo))
+    engine = cl.PrivacyEngine(accountant)
+    model, opt, loader = engine.make_private_with_epsilon(
+        target_epsilon=2.0, target_delta=1e-3, epochs=2, module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=_data(), loss=cl.TauCrossEntropy(4.0),
+        input_shape=SHAPE, batch_size=8, **kw)
+    loss = cl.TauCrossEntropy(4.0)
+    for _ in range(2):
+        _one_epoch(model, opt, loader, loss)
+    eps = engine.get_epsilon(1e-3)
+    assert 1.9 <= eps <= 2.0
+    with pytest.raises(BudgetExhaustedError, match="budget"):  # a third epoch is refused, not released
+        _one_epoch(model, opt, loader, loss)
+    assert engine.get_epsilon(1e-3) == eps
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_trainer_stays_within_target(combo):
+    kw = {k: v for k, v in combo.items() if k != "adaptive"}
+    model = _model(clip=_clip(combo))
+    trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), cl.TauCrossEntropy(4.0), _data(),
+                                input_shape=SHAPE, batch_size=8, delta=1e-3, epochs=2, target_epsilon=2.0,
+                                accountant="rdp", progress=False, log=None, **kw)
+    assert 1.9 <= trainer.fit().epsilon <= 2.0
+
+
+def test_fixed_sigma_with_target_stops_at_the_budget_everywhere():
+    model = _model()
+    trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), cl.TauCrossEntropy(4.0), _data(),
+                                input_shape=SHAPE, batch_size=8, delta=1e-3, epochs=50, noise_multiplier=1.0,
+                                target_epsilon=1.5, accountant="rdp", progress=False, log=None)
+    result = trainer.fit()
+    assert result.stopped_by_budget and result.epsilon <= 1.5
+    pre = cl.contrastive.ContrastivePretrainer(nn.Sequential(nn.Flatten(), nn.Linear(16, 4)),
+                                   torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+                                   cl.contrastive.GivenPairs(torch.rand(64, 1, 4, 4), torch.rand(64, 1, 4, 4)), batch_size=8,
+                                   epochs=50, delta=1e-3, noise_multiplier=1.0, target_epsilon=1.5, accountant="rdp",
+                                   progress=False, log=None)
+    assert pre.fit().epsilon <= 1.5
+
+
+def test_pretrainer_and_dpsgd_calibrate_within_target():
+    pre = cl.contrastive.ContrastivePretrainer(nn.Sequential(nn.Flatten(), nn.Linear(16, 4)),
+                                   torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+                                   cl.contrastive.GivenPairs(torch.rand(64, 1, 4, 4), torch.rand(64, 1, 4, 4)), batch_size=8,
+                                   epochs=2, delta=1e-3, target_epsilon=2.0, accountant="rdp", progress=False, log=None)
+    assert 1.9 <= pre.fit().epsilon <= 2.0
+    pytest.importorskip("opacus")
+    from clipless.train.baselines import standard_mlp, train_dpsgd
+
+    result = train_dpsgd(standard_mlp(SHAPE, 3, hidden=[8]), _data(), batch_size=8, epochs=2, delta=1e-3,
+                         max_grad_norm=1.0, target_epsilon=2.0, accountant="rdp", progress=False)
+    assert 1.9 <= result.epsilon <= 2.0
+
+
+def test_noise_drawn_per_parameter_is_the_plan():
+    """Zero gradients: what is released is the noise alone; its std per layer is sigma_d * g_d / b."""
+    model = _model(clip=cl.AdaptiveLossGradientClip(1.0, count_noise_multiplier=3.0))
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data=_data(), loss=cl.TauCrossEntropy(),
+        noise_multiplier=2.0, input_shape=SHAPE, batch_size=8.0, strategy="per_layer",
+        layer_noise_multipliers={"2": 1.0, "4": 3.0})
+    plan = opt.plan
+    draws = {name: [] for name in plan.layer_sigmas}
+    released = capture_released(opt)
+    for _ in range(300):
+        empty_batch_backward(model, cl.TauCrossEntropy(), SHAPE)
+        opt.step()
+        for layer in opt.last_report.layers:
+            draws[layer.name].append(torch.cat([released[-1][id(p)].flatten() for p in layer.params]))
+    for layer in opt.last_report.layers:
+        expected = plan.layer_sigmas[layer.name] * layer.bound / 8.0
+        assert torch.stack(draws[layer.name]).std().item() == pytest.approx(expected, rel=0.03)
+    assert plan.layer_sigmas["4"] == pytest.approx(3 * plan.layer_sigmas["2"])  # relative weights
+    assert cl.effective_noise_multiplier(list(plan.layer_sigmas.values())) == pytest.approx(2.0)
+    assert plan.step_sigma == pytest.approx((2.0**-2 + 3.0**-2) ** -0.5)  # the count is composed in
+    assert engine.accountant.history == [(plan.step_sigma, 8.0 / 64, 300)]
+
+
+def test_plan_refuses_fractional_epochs_and_bad_numbers():
+    with pytest.raises(ValueError, match="whole number"):
+        _engine_setup(noise_multiplier=None, target_epsilon=2.0, target_delta=1e-3, epochs=1.5)
+    report = _engine_setup()[2].last_report
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="noise_multiplier"):
+            plan_noise(report, sample_rate=0.1, accountant="rdp", noise_multiplier=bad)
+
+
+def test_optimizer_refuses_parameters_added_after_make_private():
+    _, model, opt, loader = _engine_setup()
+    extra = nn.Parameter(torch.zeros(3))
+    opt.original_optimizer.add_param_group({"params": [extra]})
+    extra.grad = torch.ones(3)
+    with pytest.raises(BoundError, match="does not cover"):
+        opt.step()
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding 4: resuming with another accountant
+# --------------------------------------------------------------------------------------------------
+
+
+def test_resume_with_another_accountant_refused(tmp_path):
+    def trainer(accountant):
+        model = _model()
+        return cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), cl.TauCrossEntropy(4.0), _data(),
+                                 input_shape=SHAPE, batch_size=8, delta=1e-3, epochs=2, noise_multiplier=1.0,
+                                 accountant=accountant, progress=False, log=None)
+
+    first = trainer("rdp")
+    first.max_steps = first.steps_per_epoch  # interrupted halfway
+    first.fit()
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match=r"'rdp' accountant but this run uses 'pld'"):
+        trainer("pld").load_checkpoint(tmp_path / "ckpt.pt")
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding 5: losses know their width; declared constants cannot be changed
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss", [cl.MulticlassHinge(2), cl.MulticlassKR(2), cl.MulticlassHKR(2)])
+def test_multiclass_losses_refuse_another_width(loss):
+    with pytest.raises(BoundError, match="declared for 2 classes"):
+        _engine_setup(loss=loss)  # the model outputs 3 logits
+    with pytest.raises(BoundError, match="declared for 2 classes"):
+        loss.per_example(torch.randn(4, 10), torch.randint(0, 10, (4,)))
+
+
+def test_wrong_width_would_have_broken_the_constant():
+    """Why the check matters: the K=2 constant is far below the gradient norm on 10 logits."""
+    z = torch.zeros(1, 10, requires_grad=True)
+    cl.MulticlassKR(10).per_example(z, torch.tensor([0])).sum().backward()
+    assert z.grad.norm() <= cl.MulticlassKR(10).lipschitz + 1e-6
+    assert z.grad.norm() > 1.0  # vs L(K=2) = sqrt(2) * ... : 10 classes with K=2 weights reach 3.16
+    assert cl.MulticlassKR(2).lipschitz == pytest.approx(math.sqrt(2))
+
+
+def test_binary_loss_refuses_multiclass_outputs():
+    with pytest.raises(BoundError, match="one logit per example"):
+        _engine_setup(loss=cl.BinaryCrossEntropyWithTemperature())
+
+
+@pytest.mark.parametrize("obj, name, value", [
+    (cl.InputNormClip(1.0), "max_norm", 100.0),
+    (cl.LossGradientClip(0.5), "max_norm", 10.0),
+    (cl.AdaptiveLossGradientClip(1.0, count_noise_multiplier=3.0), "count_noise_multiplier", 0.01),
+    (cl.CrossEntropyWithTemperature(2.0), "temperature", 0.01),
+    (cl.TauCrossEntropy(4.0), "lipschitz", 0.1),
+    (cl.KCosineSimilarity(), "floor", 1e-3),
+    (cl.LayerCentering(), "dims", (0,)),
+    (cl.Residual(nn.Identity()), "skip_weight", 5.0),
+    (cl.LipschitzConv2d(1, 2), "stride", 3),
+])
+def test_declared_constants_are_read_only(obj, name, value):
+    with pytest.raises(AttributeError, match="declared constant"):
+        setattr(obj, name, value)
+
+
+def test_input_clip_radius_change_cannot_bypass_the_bound():
+    _, model, opt, _ = _engine_setup()
+    with pytest.raises(AttributeError, match="declared constant"):
+        model[0].max_norm = 50.0
+
+
+class _Scaled(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) * 100
+
+
+class _LoudLinear(cl.LipschitzLinear):
+    def forward(self, x):
+        return super().forward(x) * 100
+
+
+def test_containers_and_layers_with_unknown_forwards_refused():
+    with pytest.raises(BoundError, match="overrides the forward"):
+        _engine_setup(module=_Scaled(*_model()))
+    loud = nn.Sequential(cl.InputNormClip(2.0), nn.Flatten(), _LoudLinear(16, 3))
+    with pytest.raises(BoundError, match="must declare its own layer_bound"):
+        _engine_setup(module=loud)
+
+
+def test_hooks_that_change_outputs_refused():
+    model = _model()
+    model[2].register_forward_hook(lambda m, a, out: out * 100)
+    with pytest.raises(BoundError, match="hooks"):
+        _engine_setup(module=model)
+    _, model, opt, _ = _engine_setup()
+    handle = model[2].register_forward_hook(lambda m, a, out: out * 100)
+    empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
+    with pytest.raises(BoundError, match="hooks"):
+        opt.step()
+    handle.remove()
+    opt.zero_grad()
+    empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
+    opt.step()
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding 6: no layer acts on the batch axis
+# --------------------------------------------------------------------------------------------------
+
+
+def test_layer_centering_empty_dims_refused():
+    with pytest.raises(ValueError, match=r"dims=\(\)"):
+        cl.LayerCentering(dims=())
+    with pytest.raises(ValueError, match="distinct"):
+        cl.LayerCentering(dims=(1, 1))
+    with pytest.raises(ValueError, match="batch axis"):
+        cl.LayerCentering(dims=-2)(torch.randn(4, 3))  # -2 is the batch axis of 2-d inputs
+
+
+def test_groupsort_on_a_negative_batch_axis_refused():
+    with pytest.raises(ValueError, match="batch axis"):
+        cl.MaxMin(dim=-2)(torch.randn(4, 6))
+
+
+def test_centering_is_per_example():
+    """The summed-batch gradient equals the sum of per-example gradients (no coupling)."""
+    layer = nn.Sequential(cl.LipschitzLinear(5, 4), cl.LayerCentering(), cl.LipschitzLinear(4, 3))
+    x = torch.randn(6, 5)
+    layer(x).pow(2).sum().backward()
+    summed = [p.grad.clone() for p in layer.parameters()]
+    per = [torch.zeros_like(p) for p in layer.parameters()]
+    for i in range(6):
+        grads = torch.autograd.grad(layer(x[i : i + 1]).pow(2).sum(), list(layer.parameters()))
+        per = [a + g for a, g in zip(per, grads)]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(summed, per))
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding 7: the input guard covers every forward that can reach a private step
+# --------------------------------------------------------------------------------------------------
+
+
+def test_eval_mode_forward_with_gradients_is_guarded():
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=None)
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=_data(), loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
+                                        input_shape=SHAPE, batch_size=8.0, input_bound=1.0)
+    big = torch.full((2, *SHAPE), 10.0)  # norm 40 > input_bound 1
+    model.eval()
+    with pytest.raises(BoundError, match="input_bound"):
+        model(big)
+    with torch.no_grad():
+        model(big)  # evaluation without gradients cannot reach a step
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding 8: Poisson sampling realises the accounted rate
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [10, 60_000, 3_000_000, 10_000_000])
+def test_realised_rate_is_within_2_pow_minus_53_below_q(n):
+    for q in (1.0 / n, 3.0 / n, 1e-5, 0.3, 1.0):
+        realised = realised_sample_rate(q)
+        assert Fraction(q) - Fraction(1, 2**SAMPLING_BITS) < realised <= Fraction(q)
+
+
+def test_unrealisable_rate_refused():
+    with pytest.raises(ValueError, match="cannot realise"):
+        poisson_threshold(2.0**-60)
+    with pytest.raises(ValueError, match="cannot realise"):
+        cl.PoissonBatchSampler(10, 2.0**-60)
+
+
+def test_sampler_hits_tiny_rates_float32_cannot():
+    """q = 0.1 * 2^-24: float32 uniforms (resolution 2^-24) include a record with probability 2^-24, 10x q."""
+    q, n, steps = 0.1 * 2.0**-24, 10_000_000, 40
+    sampler = cl.PoissonBatchSampler(n, q, steps_per_epoch=steps, generator=torch.Generator().manual_seed(0))
+    count = sum(len(b) for b in sampler)
+    expected = q * n * steps  # 2.4; float32 sampling would give 23.8 on average
+    assert count <= expected + 4 * math.sqrt(expected) + 3
+
+
+def test_cli_refusal_writes_nothing(tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit, match="delta"):
+        cli_main(["train", "--delta", "0.5", "--epochs", "1", "--no-progress", "--output-dir", str(out)])
+    with pytest.raises(SystemExit, match="--epochs .*must be an integer, got 2.7"):
+        cli_main(["train", "--config", str(_yaml(tmp_path)), "--no-progress", "--output-dir", str(out)])
+    assert not out.exists()
+
+
+def _yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("epochs: 2.7\n")  # a fractional epoch count would overrun the planned budget
+    return path

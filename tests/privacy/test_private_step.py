@@ -1,0 +1,175 @@
+"""The private step: noise scale, division by the expected batch, Poisson sampling, strategies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import clipless as cl
+from helpers import capture_released, empty_batch_backward
+
+SHAPE = (1, 4, 4)
+
+
+def small_setup(strategy="global", noise=1.0, batch_size=8.0, lr=0.0, layer_noise=None):
+    torch.manual_seed(0)
+    x = torch.rand(64, *SHAPE)
+    y = torch.randint(0, 3, (64,))
+    data = cl.ArrayDataset(x, y)
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=2.0)
+    loss = cl.TauCrossEntropy(4.0)
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data=data, loss=loss,
+        noise_multiplier=noise, input_shape=SHAPE, batch_size=batch_size, strategy=strategy,
+        layer_noise_multipliers=layer_noise, noise_generator=torch.Generator().manual_seed(1),
+    )
+    return model, opt, loader, loss, engine, data
+
+
+def test_noise_std_matches_global_sensitivity():
+    model, opt, _, loss, _, _ = small_setup(noise=2.0, batch_size=8.0)
+    released = capture_released(opt)
+    for _ in range(200):
+        empty_batch_backward(model, loss, SHAPE)  # the released gradient is pure noise
+        opt.step()
+    draws = [torch.cat([r[id(p)].flatten() for p in model.parameters()]) for r in released]
+    std = torch.stack(draws).std().item()
+    # two 1-Lipschitz dense layers, X0 = 2, L = sqrt(2): g_d = 2 sqrt(2), Delta = sqrt(2) * 2 sqrt(2) = 4
+    expected = 2.0 * 4.0 / 8.0
+    assert opt.last_report.global_sensitivity == pytest.approx(4.0, rel=1e-6)
+    assert std == pytest.approx(expected, rel=0.02)
+
+
+def test_per_layer_noise_and_effective_sigma():
+    """noise_multiplier is the gradient's effective sigma; layer_noise_multipliers are relative weights."""
+    _, opt, _, _, _, _ = small_setup(strategy="per_layer", noise=2.0)
+    names = list(opt.layer_sigmas)
+    assert opt.effective_noise_multiplier == pytest.approx(2.0)  # equal weights: 2 sqrt(2) each, composed to 2
+    assert list(opt.layer_sigmas.values()) == pytest.approx([2.0 * math.sqrt(2)] * 2)
+    model, opt, _, loss, _, _ = small_setup(strategy="per_layer", noise=2.0,
+                                            layer_noise={names[0]: 1.0, names[1]: 4.0})
+    c = 2.0 * math.sqrt(1 + 4**-2)  # sigma_d = c w_d with (sum_d sigma_d^-2)^-1/2 = 2
+    assert list(opt.layer_sigmas.values()) == pytest.approx([c, 4 * c])
+    assert opt.effective_noise_multiplier == pytest.approx(2.0)
+    draws = {n: [] for n in names}
+    released = capture_released(opt)
+    for _ in range(200):
+        empty_batch_backward(model, loss, SHAPE)
+        opt.step()
+        for layer in opt.last_report.layers:
+            draws[layer.name].append(torch.cat([released[-1][id(p)].flatten() for p in layer.params]))
+    for name, sigma in zip(names, (c, 4 * c)):
+        expected = sigma * 2 * math.sqrt(2) / 8.0
+        assert torch.stack(draws[name]).std().item() == pytest.approx(expected, rel=0.03)
+
+
+def test_summed_gradient_divided_by_expected_batch_size():
+    model, opt, _, loss, _, data = small_setup(noise=1e-12, batch_size=8.0)
+    x, y = data.features[:5], data.labels[:5]  # a realised batch of 5, expected 8
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    summed = [p.grad.clone() for p in model.parameters()]
+    released = capture_released(opt)
+    opt.step()
+    for p, s in zip(model.parameters(), summed):
+        assert torch.allclose(released[0][id(p)], s / 8.0, atol=1e-9)
+        assert p.grad is None  # cleared after the step: the next one needs a new batch
+
+
+def test_accountant_steps_once_per_step_with_effective_sigma():
+    model, opt, _, loss, engine, _ = small_setup(noise=1.3, batch_size=8.0)
+    for _ in range(5):
+        empty_batch_backward(model, loss, SHAPE)
+        opt.step()
+    assert engine.accountant.history == [(1.3, 8.0 / 64, 5)]
+
+
+def test_poisson_sampler_statistics_and_empty_batches():
+    gen = torch.Generator().manual_seed(0)
+    sampler = cl.PoissonBatchSampler(1000, 0.05, generator=gen)
+    assert len(sampler) == 20
+    sizes = [len(b) for _ in range(20) for b in sampler]
+    assert abs(sum(sizes) / len(sizes) - 50) < 1.5
+    assert len(set(sizes)) > 5  # random sizes, not fixed batches
+    tiny = cl.PoissonBatchSampler(10, 0.05, steps_per_epoch=200, generator=gen)
+    assert any(len(b) == 0 for b in tiny)
+
+
+def test_empty_batch_is_a_full_private_step():
+    model, opt, loader, loss, engine, data = small_setup(batch_size=0.2)  # q = 0.2/64: mostly empty
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = next(iter(cl.poisson_data_loader(data, 1e-9)))
+    assert x.shape == (0,) + SHAPE and y.shape == (0,)
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    released = capture_released(opt)
+    opt.step()
+    assert engine.accountant.steps == 1
+    # SGD with lr 0 keeps weights; noise was still drawn and released
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(before, model.parameters()))
+    assert all(released[0][id(p)].abs().sum() > 0 for p in model.parameters())
+
+
+def test_projection_after_step_keeps_layers_1_lipschitz():
+    model, opt, _, loss, _, data = small_setup(noise=50.0, lr=1.0)
+    for _ in range(3):
+        opt.zero_grad()
+        loss.per_example(model(data.features[:8]), data.labels[:8]).sum().backward()
+        opt.step()
+    for m in model.modules():
+        if isinstance(m, cl.LipschitzLinear):
+            assert torch.linalg.matrix_norm(m.weight.detach().double(), 2) <= 1 + 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["global", "per_layer"])
+def test_make_private_with_epsilon_spends_at_most_the_target(strategy):
+    torch.manual_seed(0)
+    data = cl.ArrayDataset(torch.rand(64, *SHAPE), torch.randint(0, 3, (64,)))
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=2.0)
+    engine = cl.PrivacyEngine("rdp")
+    _, opt, loader = engine.make_private_with_epsilon(
+        target_epsilon=2.0, target_delta=1e-3, epochs=3, module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=cl.TauCrossEntropy(),
+        input_shape=SHAPE, batch_size=8, strategy=strategy)
+    for _ in range(3):
+        for x, y in loader:
+            opt.zero_grad()
+            cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+            opt.step()
+    assert engine.accountant.steps == 3 * 8
+    eps = engine.get_epsilon(1e-3)
+    assert 1.95 <= eps <= 2.0
+
+
+def test_energy_allocation_keeps_sigma_eff_and_minimises_noise_energy():
+    from clipless.privacy.noise import allocate_layer_noise, noise_energy_allocation
+
+    _, opt, _, _, _, _ = small_setup(strategy="per_layer", noise=2.0)
+    report = opt.last_report
+    sigmas = allocate_layer_noise(1.5, noise_energy_allocation(report))
+    assert cl.effective_noise_multiplier(list(sigmas.values())) == pytest.approx(1.5)
+
+    def energy(s):
+        return sum(sum(p.numel() for p in layer.params) * (s[layer.name] * layer.bound) ** 2 for layer in report.layers)
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        other = allocate_layer_noise(1.5, {layer.name: float(torch.rand(1, generator=gen)) + 0.05 for layer in report.layers})
+        assert energy(sigmas) <= energy(other) * (1 + 1e-9)
+
+
+def test_trainer_energy_allocation_spends_the_budget():
+    torch.manual_seed(0)
+    data = cl.load_digits()
+    model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(32,))
+    trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=0.01), cl.TauCrossEntropy(4.0),
+                                data.train, input_shape=data.input_shape, input_bound=8.0, batch_size=256, delta=1e-5,
+                                epochs=2, target_epsilon=2.0, strategy="per_layer", layer_noise_multipliers="energy",
+                                accountant="rdp", progress=False, log=None)
+    sigmas = trainer.optimizer.layer_sigmas
+    first, last = list(sigmas.values())
+    assert first < last  # the 64x32 layer gets less noise per coordinate than the 32x10 one
+    assert trainer.fit().epsilon <= 2.0

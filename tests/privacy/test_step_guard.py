@@ -1,0 +1,262 @@
+"""The private step owns its inputs: slips in the README loop never release an unaccounted gradient.
+
+Each test is a slip a user of ``make_private`` can make; before the step guard each one released a
+step (and the accountant counted it) whose gradient was not what the noise was calibrated for.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import clipless as cl
+from clipless.privacy.certified import BoundError
+from helpers import capture_released, per_example_grads
+
+SHAPE = (6,)
+
+
+def _setup(lr=0.1, noise=1.0, loss=None, model=None, **kw):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(96, *SHAPE, generator=gen)
+    x = x / x.norm(dim=1, keepdim=True)
+    data = cl.ArrayDataset(x, torch.randint(0, 3, (96,), generator=gen))
+    model = model or nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    loss = loss or cl.TauCrossEntropy(2.0)
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data=data, loss=loss,
+        noise_multiplier=noise, input_shape=SHAPE, batch_size=16.0, input_bound=1.0, **kw)
+    return model, opt, loss, engine, data.features[:16], data.labels[:16]
+
+
+def _refused(opt, engine, match):
+    """The step raises a BoundError naming the slip and the fix; nothing is released or accounted."""
+    steps = engine.accountant.steps
+    weights = [p.detach().clone() for p in opt.bound_engine.model.parameters()]
+    with pytest.raises(BoundError, match=match) as info:
+        opt.step()
+    assert engine.accountant.steps == steps
+    assert all(torch.equal(a, p) for a, p in zip(weights, opt.bound_engine.model.parameters()))
+    return str(info.value)
+
+
+def test_readme_loop_and_microbatches_are_accepted():
+    model, opt, loss, engine, x, y = _setup(noise=1e-12)
+    released = capture_released(opt)
+    expected = [g.sum(0) / 16.0 for g in per_example_grads(model, loss, x, y)]
+    loss.per_example(model(x[:7]), y[:7]).sum().backward()  # one Poisson batch in two pieces: the same sum
+    loss.per_example(model(x[7:]), y[7:]).sum().backward()
+    opt.step()
+    got = [released[0][id(p)] for p in model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+    assert engine.accountant.steps == 1
+
+
+# Finding 1: a step needs a fresh forward/backward
+def test_step_twice_or_without_backward_refused():
+    model, opt, loss, engine, x, y = _setup()
+    _refused(opt, engine, "no backward of the private model since the last step")
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    message = _refused(opt, engine, "no backward")
+    assert "run loss.per_example(model(x), y).sum().backward()" in message
+
+
+def test_backward_of_a_forward_from_before_the_step_refused():
+    model, opt, loss, engine, x, y = _setup()
+    # saved tensors are copied on mutation, so autograd's own version check stays silent
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        stale = model(x)
+        loss.per_example(model(x), y).sum().backward()
+        opt.step()
+        loss.per_example(stale, y).sum().backward()
+    _refused(opt, engine, "forward made before the last private step")
+
+
+def test_same_forward_backpropagated_twice_refused():
+    model, opt, loss, engine, x, y = _setup()
+    value = loss.per_example(model(x), y).sum()
+    value.backward(retain_graph=True)
+    value.backward()
+    _refused(opt, engine, "backpropagated twice")
+
+
+# Finding 2: no zero_grad between steps
+def test_missing_zero_grad_cannot_mix_batches():
+    model, opt, loss, engine, x, y = _setup(noise=1e-12, lr=0.0)
+    released = capture_released(opt)
+    batches = [(x[:8], y[:8]), (x[8:], y[8:])]
+    for bx, by in batches:  # the README loop without zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+        assert all(p.grad is None for p in model.parameters())  # cleared by the step
+    second = [g.sum(0) / 16.0 for g in per_example_grads(model, loss, *batches[1])]
+    assert all(torch.allclose(released[1][id(p)], s, atol=1e-6) for p, s in zip(model.parameters(), second))
+
+
+# Finding 3: the loss is the clipless loss, summed, unscaled, and the only use of the output
+def test_hand_scaled_loss_refused():
+    model, opt, loss, engine, x, y = _setup()
+    (loss.per_example(model(x), y).sum() * 10).backward()
+    message = _refused(opt, engine, "weight 10 > 1")
+    assert "zero_grad" in message
+    opt.zero_grad()  # then the corrected loop works
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+
+
+def test_mean_reduced_loss_warns_about_the_wasted_budget():
+    model, opt, loss, engine, x, y = _setup()
+    with pytest.warns(UserWarning, match="wastes privacy budget"):
+        loss.per_example(model(x), y).mean().backward()
+    opt.step()  # not a privacy bug: a smaller gradient
+    assert engine.accountant.steps == 1
+
+
+@pytest.mark.parametrize("slip", ["torch_loss", "scaled_output", "output_used_twice", "sliced_output"])
+def test_backward_not_from_the_clipless_loss_refused(slip):
+    model, opt, loss, engine, x, y = _setup()
+    out = model(x)
+    if slip == "torch_loss":
+        value = nn.functional.cross_entropy(out, y, reduction="sum")
+    elif slip == "scaled_output":
+        value = loss.per_example(out * 10, y).sum()
+    elif slip == "output_used_twice":
+        value = loss.per_example(out, y).sum() + 5 * out.square().sum()
+    else:
+        value = loss.per_example(out[:, :2], y.clamp(max=1)).sum()
+    value.backward()
+    _refused(opt, engine, "clipless loss")
+
+
+def test_loss_with_a_larger_constant_refused_and_a_smaller_one_accepted():
+    model, opt, loss, engine, x, y = _setup()  # bounds for TauCrossEntropy: L = sqrt(2)
+    cl.MulticlassHinge(num_classes=3).per_example(model(x), y).sum().backward()  # L = sqrt(3/2)
+    opt.step()
+
+    class Steep(cl.LipschitzLoss):
+        lipschitz = 5.0
+
+        def per_example(self, logits, target):
+            return 5.0 * logits.gather(1, target[:, None]).squeeze(1)
+
+    Steep().per_example(model(x), y).sum().backward()
+    _refused(opt, engine, "larger constant")
+
+
+def test_loss_declaring_a_wrong_constant_is_caught_at_the_output():
+    class Liar(cl.LipschitzLoss):
+        lipschitz = 0.1  # the true gradient has norm 3
+
+        def per_example(self, logits, target):
+            return 3.0 * logits.gather(1, target[:, None]).squeeze(1)
+
+    model, opt, loss, engine, x, y = _setup(loss=Liar())
+    loss.per_example(model(x), y).sum().backward()
+    _refused(opt, engine, r"gradient has norm 3 > the loss constant L = 0\.1")
+
+
+# Finding 4: the weights the noise is calibrated to are the weights of the forward
+@pytest.mark.parametrize("how", ["in_place", "data"])
+def test_weights_changed_between_forward_and_step_refused(how):
+    model, opt, loss, engine, x, y = _setup()
+    w = model[0].weight
+    if how == "in_place":
+        with torch.no_grad():
+            w.mul_(5)
+        loss.per_example(model(x), y).sum().backward()
+        with torch.no_grad():
+            w.div_(5)
+        _refused(opt, engine, "weights changed between the forward and the step")
+    else:  # .data escapes autograd's version counter
+        out = model(x)
+        w.data.mul_(5)
+        loss.per_example(out, y).sum().backward()
+        w.data.div_(5)
+        _refused(opt, engine, "weights changed between the forward and its backward")
+
+
+# Finding 5: eval-mode forwards in the private loop still check the input bound
+def test_eval_mode_loop_with_inputs_above_the_bound_refused():
+    model, opt, loss, engine, x, y = _setup()
+    model.eval()
+    with pytest.raises(BoundError, match="input_bound"):
+        loss.per_example(model(5 * x), y).sum().backward()
+    assert engine.accountant.steps == 0
+
+
+# Gradients that did not come through the model's forward and loss
+def test_layer_called_outside_the_model_refused():
+    model, opt, loss, engine, x, y = _setup()
+    loss.per_example(model(x), y).sum().backward()
+    model[0](x).square().sum().backward()
+    _refused(opt, engine, "layer '0' of the private model was called outside the model's forward")
+
+
+def test_layer_called_outside_the_model_in_the_same_backward_refused():
+    model, opt, loss, engine, x, y = _setup()
+    (loss.per_example(model(x), y).sum() + model[0](x).square().sum()).backward()
+    _refused(opt, engine, "outside the model's forward")
+
+
+def test_weight_used_outside_the_model_in_another_backward_refused():
+    model, opt, loss, engine, x, y = _setup()
+    loss.per_example(model(x), y).sum().backward()
+    nn.functional.linear(x, model[0].weight).square().sum().backward()
+    _refused(opt, engine, "did not go through the private model's output")
+
+
+@pytest.mark.parametrize("edit", ["replace", "scale", "data_scale_then_backward"])
+def test_gradient_set_or_edited_by_hand_refused(edit):
+    model, opt, loss, engine, x, y = _setup()
+    loss.per_example(model(x), y).sum().backward()
+    w = model[2].weight
+    if edit == "replace":
+        w.grad = 100 * torch.ones_like(w)
+    elif edit == "scale":
+        w.grad.mul_(10)
+    else:
+        w.grad.add_(1.0)
+    _refused(opt, engine, "set or scaled by hand")
+
+
+def test_diagnostic_autograd_between_steps_is_not_refused():
+    """torch.autograd.grad (saliency, per-example norms) does not touch .grad: nothing to refuse."""
+    model, opt, loss, engine, x, y = _setup()
+    xi = x[:2].clone().requires_grad_(True)
+    torch.autograd.grad(nn.functional.cross_entropy(model(xi), y[:2]), xi)
+    cl.diagnostics.tightness(model, loss, x[:3], y[:3], opt.bound_engine.compute())
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
+def test_a_deep_copy_is_an_ordinary_model():
+    model, opt, loss, engine, x, y = _setup()
+    twin = copy.deepcopy(model)
+    nn.functional.cross_entropy(twin(x), y).backward()  # no guard on the copy
+    twin[0](x).sum().backward()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+
+
+def test_trainer_with_tightness_monitor_and_averaging_runs_guarded():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, *SHAPE, generator=gen)
+    data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (64,), generator=gen))
+    model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the trainer's sum reduction never triggers the mean warning
+        trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=0.01), cl.TauCrossEntropy(2.0),
+                                    data, input_shape=SHAPE, input_bound=1.0, batch_size=8, delta=1e-3, epochs=2,
+                                    noise_multiplier=1.0, accountant="rdp", progress=False, log=None,
+                                    average_decay=0.9, tightness_monitor=cl.diagnostics.TightnessMonitor(every=2, sample=2))
+        result = trainer.fit()
+    assert result.steps == 16

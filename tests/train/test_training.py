@@ -1,0 +1,164 @@
+"""End to end: private training on real data, budget stop, checkpoint/resume, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import clipless as cl
+from clipless.cli import main
+
+
+def digits_trainer(epochs=4, seed=0, data_seed=0, **kw):
+    """``seed`` fixes the noise and batches (None: OS entropy); the initialization is always seed 0;
+    ``data_seed`` makes the train/test split."""
+    torch.manual_seed(0)
+    data = cl.load_digits(seed=data_seed)
+    model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(64, 64))
+    args = dict(input_shape=data.input_shape, batch_size=256, delta=1e-5, epochs=epochs, target_epsilon=3.0,
+                input_bound=8.0, noise_seed=seed, test_data=data.test, progress=False, log=None)
+    args.update(kw)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    return cl.PrivateTrainer(model, opt, cl.TauCrossEntropy(8.0), data.train, **args)
+
+
+def test_digits_private_training_learns_within_budget():
+    trainer = digits_trainer(epochs=15)
+    result = trainer.fit()
+    assert result.epsilon <= 3.0
+    assert result.epsilon > 2.9  # the calibrated sigma spends the budget
+    assert result.test_accuracy > 0.5  # chance is 0.1
+    assert result.sampling == "poisson" and result.randomness == "fixed-seed" and not result.private
+    assert not result.stopped_by_budget  # the planned epochs fit the budget
+    assert len(result.history) == 15
+
+
+def test_training_stops_at_the_budget():
+    trainer = digits_trainer(epochs=1000, target_epsilon=1.0, noise_multiplier=3.0, accountant="rdp")
+    result = trainer.fit()
+    assert result.stopped_by_budget
+    assert result.epsilon <= 1.0
+    assert cl.compute_epsilon(3.0, trainer.sample_rate, result.steps + 1, 1e-5, "rdp") > 1.0
+
+
+def test_per_layer_strategy_composes_to_calibrated_sigma():
+    trainer = digits_trainer(epochs=2, strategy="per_layer")
+    sigmas = list(trainer.optimizer.layer_sigmas.values())
+    assert len(sigmas) == 3
+    assert cl.effective_noise_multiplier(sigmas) == pytest.approx(trainer.optimizer.effective_noise_multiplier)
+    result = trainer.fit()
+    assert result.epsilon <= 3.0
+
+
+def test_checkpoint_resume_continues_exactly(tmp_path):
+    straight = digits_trainer(epochs=4)
+    straight.fit()
+    first = digits_trainer(epochs=4)
+    first.max_steps = 2 * first.steps_per_epoch  # stop halfway, as an interrupted run would
+    first.fit()
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    resumed = digits_trainer(epochs=4, seed=0)
+    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    assert resumed.accountant.steps == 2 * resumed.steps_per_epoch
+    result = resumed.fit()
+    assert result.steps == straight.steps
+    assert result.epsilon == pytest.approx(straight.epsilon(), rel=1e-12)
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_mnist_smoke(shared_data):
+    data = cl.load_mnist(shared_data / "mnist")
+    torch.manual_seed(0)
+    model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(128,), input_clip=8.0)
+    trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-3), cl.TauCrossEntropy(8.0),
+                                data.train, input_shape=data.input_shape, batch_size=2048, delta=1e-5, epochs=1,
+                                target_epsilon=1.0, noise_seed=0, test_data=data.test, progress=False, log=None,
+                                accountant="rdp")
+    result = trainer.fit()
+    assert result.epsilon <= 1.0
+    assert result.test_accuracy > 0.7
+
+
+def test_cli_with_flags_and_yaml(tmp_path):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump({"epochs": 2, "hidden": [32], "epsilon": 2.0, "accountant": "rdp"}))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--output-dir", str(out), "--no-progress", "--batch-size", "128"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["epsilon"] <= 2.0 and result["config"]["epochs"] == 2 and result["config"]["batch_size"] == 128
+    for key in ("test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "wall_time_s"):
+        assert key in result
+    assert (out / "checkpoint.pt").exists()
+    # resume from the finished run: no further steps, same epsilon
+    assert main(["train", "--config", str(config), "--output-dir", str(out), "--no-progress", "--batch-size", "128",
+                 "--resume"]) == 0
+    again = json.loads((out / "result.json").read_text())
+    assert again["steps"] == result["steps"] and again["epsilon"] == pytest.approx(result["epsilon"])
+
+
+def test_resume_of_a_secret_run_is_bit_identical(tmp_path):
+    """OS-entropy generators go into the checkpoint whole: the resumed run continues the very same draws."""
+    run = digits_trainer(epochs=2, seed=None)
+    run.max_steps = run.steps_per_epoch
+    run.fit()
+    run.save_checkpoint(tmp_path / "ckpt.pt")
+    run.max_steps = 2 * run.steps_per_epoch
+    assert run.fit().private
+    resumed = digits_trainer(epochs=2, seed=None)
+    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    resumed.fit()
+    for a, b in zip(run.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _cli_run(out, *extra):
+    return main(["train", "--epochs", "2", "--batch-size", "256", "--hidden", "16", "--epsilon", "2", "--no-progress",
+                 "--accountant", "rdp", "--output-dir", str(out), *extra])
+
+
+def test_readme_resume_command_restores_the_run_configuration(tmp_path, capsys, shared_data):
+    """`clipless train --output-dir DIR --resume` (the README's command) resumes the run as it was made, data
+    directory included."""
+    out = tmp_path / "run"
+    assert _cli_run(out, "--dataset", "mnist", "--data-dir", str(shared_data / "mnist"), "--batch-size", "8192",
+                    "--epochs", "1") == 0
+    first = json.loads((out / "result.json").read_text())
+    assert main(["train", "--output-dir", str(out), "--resume", "--no-progress"]) == 0
+    again = json.loads((out / "result.json").read_text())
+    assert again["steps"] == first["steps"] and again["epsilon"] == pytest.approx(first["epsilon"])
+    for key in ("batch_size", "hidden", "epsilon", "accountant", "epochs", "dataset", "data_dir"):
+        assert again["config"][key] == first["config"][key]
+    assert "resume: settings of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, key", [("--epsilon", "1", "epsilon"), ("--seed", "3", "seed"),
+                                              ("--accountant", "pld", "accountant"), ("--batch-size", "128",
+                                                                                      "batch_size")])
+def test_resume_refuses_a_privacy_or_data_split_change(tmp_path, flag, value, key):
+    out = tmp_path / "run"
+    assert _cli_run(out) == 0
+    before = (out / "result.json").read_bytes(), (out / "checkpoint.pt").read_bytes()
+    with pytest.raises(SystemExit, match=rf"other settings \({key}=.* -> .*\).*start a new run"):
+        _cli_run(out, flag, value, "--resume")
+    assert ((out / "result.json").read_bytes(), (out / "checkpoint.pt").read_bytes()) == before  # nothing lost
+
+
+def test_resume_applies_a_harmless_setting_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli_run(out, "--epochs", "1") == 0
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), "--resume", "--lr", "0.005", "--no-progress"]) == 0
+    assert "applied lr=0.005 (was 0.01)" in capsys.readouterr().err
+    assert json.loads((out / "result.json").read_text())["config"]["lr"] == 0.005
+
+
+def test_api_resume_on_another_split_refused(tmp_path):
+    trainer = digits_trainer(epochs=1, seed=0)
+    trainer.fit()
+    trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="train_data=.*same records and train/test split"):
+        digits_trainer(epochs=1, seed=0, data_seed=1).load_checkpoint(tmp_path / "ckpt.pt")
