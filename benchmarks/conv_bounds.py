@@ -75,7 +75,7 @@ def main() -> None:
                                       operator_norm="fft")
             make_kernel(conv, kind, gen)
             shape = (cin, size, size)
-            reshaped = math.sqrt(conv.overlap_for(shape)) * cl.bounds.certified_spectral_norm(conv._kernel_matrix())
+            reshaped = math.sqrt(conv.overlap_for(shape)) * cl.privacy.certified.certified_spectral_norm(conv._kernel_matrix())
             fft = conv.fft_operator_norm(shape)
             true = true_operator_norm(conv, size)
             assert fft >= true * (1 - 1e-9) and reshaped >= true * (1 - 1e-9), "a certified bound fell below the truth"

@@ -282,7 +282,6 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
     flags = {key: value for key, value in vars(args).items() if key in DEFAULTS and value is not None}
     config.update(validate(flags))
     explicit |= set(flags)
-    config = validate(config)
     if config["epsilon"] is None and config["noise_multiplier"] is None:
         raise SystemExit("--epsilon: give a target epsilon or a --noise-multiplier")
     if config["resume"]:

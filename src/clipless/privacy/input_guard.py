@@ -70,7 +70,10 @@ class _Detached:
 
 
 class _Guard:
-    is_clipless_guard = True  # the bound engine accepts these hooks: they only refuse, never change values
+    """A hook of ours: the bound engine accepts it (it only refuses, never changes values); a deep copy of the
+    model gets an inert stand-in."""
+
+    is_clipless_guard = True
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> _Detached:
         return _Detached()
@@ -171,14 +174,13 @@ def _task() -> int:
     return torch._C._current_graph_task_id()  # the running backward pass (as torch.utils.checkpoint uses it)
 
 
-class StepGuard(_Guard):
+class StepGuard:
     """Follows the private model's forwards to their backward; :meth:`check_step` refuses slips (module doc)."""
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], params: Sequence[torch.Tensor],
                  loss: Any, loss_lipschitz: Callable[[], float]) -> None:
         """``layers``/``params``: the model's bounded layers and their parameters; ``loss_lipschitz()``: the
         ``L`` of the bounds (every clipless loss applied must declare at most that; ``loss`` names it)."""
-        self.model = model
         self.params = list(params)
         self.loss_name = type(loss).__name__ if loss is not None else "loss"
         self.loss_lipschitz = loss_lipschitz
@@ -331,16 +333,11 @@ class StepGuard(_Guard):
         self.clear_gradient_state()
 
 
-class _Hook:
-    """A module hook of a step guard; a deep copy of the model gets an inert stand-in."""
-
-    is_clipless_guard = True
+class _Hook(_Guard):
+    """A module hook of a step guard."""
 
     def __init__(self, guard: StepGuard) -> None:
         self.guard = guard
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> _Detached:
-        return _Detached()
 
 
 class _ModelEnter(_Hook):
