@@ -22,7 +22,7 @@ def _autograd_mean_grad(model, x, y, loss):
     for p in model.weights:
         p.grad = None
     logits = model(x)
-    klp.LOSSES[loss](logits, y)[0].mean().backward()
+    klp.KL_LOSSES[loss](logits, y)[0].mean().backward()
     return torch.cat([p.grad.flatten() for p in model.weights])
 
 

@@ -26,7 +26,7 @@ from torch.func import functional_call, jacrev, vmap
 from ..privacy.bounds import global_hooks_registered, module_hooks
 
 __all__ = [
-    "LOSSES",
+    "CONTRASTIVE_LOSSES",
     "LOSS_FUNCTIONS",
     "normalized_embedding",
     "similarity_logits",
@@ -83,12 +83,12 @@ LOSS_FUNCTIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "contrastive": contrastive_loss,
     "spreadout": spreadout_loss,
 }
-LOSSES = tuple(LOSS_FUNCTIONS)
+CONTRASTIVE_LOSSES = tuple(LOSS_FUNCTIONS)
 
 
 def _check_loss(loss: str, tau: float) -> None:
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    if loss not in CONTRASTIVE_LOSSES:
+        raise ValueError(f"loss must be one of {CONTRASTIVE_LOSSES}, got {loss!r}")
     if not (tau > 0):
         raise ValueError(f"temperature tau must be positive, got {tau}")
     if loss == "spreadout" and tau != 1.0:
@@ -105,7 +105,7 @@ def logit_gradient(z: torch.Tensor, loss: str) -> torch.Tensor:
         if n <= 1:
             return torch.zeros_like(z)
         return 2.0 * (z - torch.diag_embed(torch.diagonal(z))) / (n - 1)
-    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    raise ValueError(f"loss must be one of {CONTRASTIVE_LOSSES}, got {loss!r}")
 
 
 def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive",

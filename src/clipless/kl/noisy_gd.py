@@ -73,16 +73,16 @@ def _squared(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
 
 #: Per-example loss and its gradient w.r.t. the logits.  With the squared loss a one-layer network
 #: makes noisy GD a Gaussian chain whose KL has a closed form (used to test the estimator).
-LOSSES: Dict[str, Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]] = {
+KL_LOSSES: Dict[str, Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]] = {
     "cross_entropy": _cross_entropy,
     "squared": _squared,
 }
 
 
 def _loss_fn(loss: str) -> Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]:
-    if loss not in LOSSES:
-        raise ValueError(f"unknown loss {loss!r}; choose one of {sorted(LOSSES)}")
-    return LOSSES[loss]
+    if loss not in KL_LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; choose one of {sorted(KL_LOSSES)}")
+    return KL_LOSSES[loss]
 
 
 @dataclass
@@ -287,7 +287,8 @@ def membership_advantage_bound(kl: float) -> float:
     return min(math.sqrt(kl / 2.0), math.sqrt(1.0 - math.exp(-kl)), 1.0)
 
 
-def per_example_losses(model: nn.Module, x: Tensor, y: Tensor, loss: str = "cross_entropy") -> Tensor:
+def example_losses(model: nn.Module, x: Tensor, y: Tensor, loss: str = "cross_entropy") -> Tensor:
+    """Each example's ``loss`` (a name of :data:`KL_LOSSES`) under ``model``, without gradients."""
     with torch.no_grad():
         return _loss_fn(loss)(model(x), y)[0]
 
@@ -296,7 +297,7 @@ __all__ = [
     "INIT_SCHEMES",
     "GradientGeometry",
     "KLTrace",
-    "LOSSES",
+    "KL_LOSSES",
     "LinearizedNetwork",
     "ReLUNetwork",
     "gradient_geometry",
@@ -310,6 +311,6 @@ __all__ = [
     "neighbour_gaps",
     "noise_variance",
     "noisy_gradient_descent",
-    "per_example_losses",
+    "example_losses",
     "relu_network_forward",
 ]

@@ -89,8 +89,8 @@ def _run(data: Dict[str, Any], widths: List[int], init: str, cfg: KLStudyConfig,
     for model in models:
         with torch.no_grad():
             acc = (model(data["x_test"]).argmax(1) == data["y_test"]).double().mean().item()
-        attack = loss_threshold_attack(klp.per_example_losses(model, data["x"], data["y"]),
-                                           klp.per_example_losses(model, data["xh"], data["yh"]))
+        attack = loss_threshold_attack(klp.example_losses(model, data["x"], data["y"]),
+                                           klp.example_losses(model, data["xh"], data["yh"]))
         attacks.append({"test_accuracy": acc, **attack})
     kl = float(mean[-1])
     bound = klp.membership_advantage_bound(kl)

@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Optional, Tuple
 import torch
 
 from ..privacy.modules import BoundedModule, LayerBound, PerStepMechanism
+from ..privacy.noise import noisy_count
 from .functional import broadcast_per_example, per_example_norm, positive_finite
 
 __all__ = ["LossGradientClip", "AdaptiveLossGradientClip"]
@@ -103,8 +104,8 @@ class AdaptiveLossGradientClip(PerStepMechanism):
     @torch.no_grad()
     def update_(self, expected_batch_size: float, generator: Optional[torch.Generator] = None) -> float:
         """Release the noisy count of this step, update ``C``, reset the count; returns the noisy fraction."""
-        noise = torch.randn((), generator=generator, dtype=torch.float64, device=self.clip_norm.device)
-        fraction = (self._below + self.count_noise_multiplier * float(noise)) / expected_batch_size
+        fraction = noisy_count(self._below, self.count_noise_multiplier, generator, self.clip_norm.device)
+        fraction /= expected_batch_size
         self.clip_norm.mul_(math.exp(-self.learning_rate * (fraction - self.target_quantile)))
         self._below = 0
         return fraction

@@ -8,7 +8,7 @@ then every gradient is divided by the *expected* batch size ``b = qN``.
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
@@ -17,8 +17,10 @@ from .bounds import BoundReport
 __all__ = [
     "STRATEGIES",
     "add_noise_",
+    "add_gaussian_noise_",
     "allocate_layer_noise",
     "noise_energy_allocation",
+    "noisy_count",
 ]
 
 STRATEGIES = ("global", "per_layer")
@@ -81,3 +83,8 @@ def add_gaussian_noise_(
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
         param.grad = (grad + std * noise) / expected_batch_size
+
+
+def noisy_count(count: float, std: float, generator: Optional[torch.Generator], device: Any = "cpu") -> float:
+    """``count + N(0, std^2)`` in float64: the release of a per-step count of add/remove sensitivity 1."""
+    return count + std * float(torch.randn((), generator=generator, dtype=torch.float64, device=device))
