@@ -8,10 +8,11 @@ and stops before a step would take epsilon past the target.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -147,8 +148,6 @@ class PrivateTrainer:
         # A deep copy leaves the guards behind (clipless.privacy.input_guard): the average is never stepped by the optimizer.
         self.averaged_model: Optional[nn.Module] = copy.deepcopy(self.model) if average_decay else None
         self._wall = 0.0
-        self._data_fingerprints = tuple(getattr(d, "fingerprint", lambda: None)() if d is not None else None
-                                        for d in (train_data, test_data))
         # What made the run (e.g. the CLI's resolved flags): kept in the checkpoint so a resume can restore it.
         self.run_config: Optional[Dict[str, Any]] = None
 
@@ -258,6 +257,12 @@ class PrivateTrainer:
         )
 
     # -- checkpoints ------------------------------------------------------
+    @functools.cached_property
+    def _data_fingerprints(self) -> Tuple[Optional[str], Optional[str]]:
+        """Digests of the train and test records, computed at the first checkpoint (not at every start)."""
+        return tuple(getattr(d, "fingerprint", lambda: None)() if d is not None else None  # type: ignore[return-value]
+                     for d in (self.train_data, self.test_data))
+
     def _config(self) -> Dict[str, Any]:
         """The privacy configuration a checkpoint must share with the run that resumes it."""
         plan = self.optimizer.plan
