@@ -7,7 +7,7 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -168,50 +168,73 @@ TRAIN_STATS_HELP = ("also log the loss/accuracy of the training batches, compute
                     "guarantee; labelled nonprivate_* wherever they appear)")
 
 
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options of a training run, shared by ``train`` and ``audit`` (one schema, :data:`SCHEMA`)."""
+    p.add_argument("--config", help="YAML file with any of the options below (flags override it)")
+    p.add_argument("--method", choices=["clipless", "dpsgd", "nonprivate"],
+                   help="clipless DP-SGD (default), clipped DP-SGD through Opacus, or non-private training")
+    p.add_argument("--max-grad-norm", type=float, help="per-example clipping norm C of dpsgd")
+    p.add_argument("--dataset", help="digits (embedded), mnist, or a .npz/.csv tabular file")
+    p.add_argument("--data-dir", help="directory holding the dataset files (MNIST IDX .gz, tabular files)")
+    p.add_argument("--model", choices=["mlp", "cnn", "vgg", "resnet", "mixer"],
+                   help="Lipschitz architecture (mlp, cnn, vgg, resnet, mixer)")
+    p.add_argument("--hidden", type=int, nargs="*", help="hidden widths of the dense layers")
+    p.add_argument("--channels", type=int, nargs="*",
+                   help="conv channels per stage (cnn, vgg, resnet); mixer: the first value is the token width")
+    p.add_argument("--patch-size", type=int, help="mixer: side of the square patches (must tile the image)")
+    p.add_argument("--features", choices=["none", "scattering"],
+                   help="scattering: train on fixed wavelet scattering features of the images (data-independent, "
+                   "norm 1; the model must be mlp)")
+    p.add_argument("--activation", help="maxmin or groupsortK")
+    p.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
+    p.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
+    p.add_argument("--tau", type=float, help="temperature of tau_ce")
+    p.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C))")
+    p.add_argument("--adaptive-clip-quantile", type=float,
+                   help="make the loss-gradient clip adaptive: C tracks this private quantile of the logit "
+                   "gradient norms (Andrew et al.), starting at --loss-grad-clip; its cost enters epsilon")
+    p.add_argument("--count-noise-multiplier", type=float,
+                   help="noise multiplier of the adaptive clip's count (default: batch size / 20)")
+    p.add_argument("--epsilon", type=float, help="target epsilon (sigma is calibrated to reach it)")
+    p.add_argument("--delta", type=float)
+    p.add_argument("--noise-multiplier", type=float, help="fix sigma instead (with --epsilon: steps are calibrated)")
+    p.add_argument("--batch-size", type=float, help="expected Poisson batch size")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--strategy", choices=["global", "per_layer"])
+    p.add_argument("--accountant", choices=["pld", "rdp"])
+    p.add_argument("--optimizer", choices=["adam", "sgd"])
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int, help=SEED_HELP)
+    p.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP)
+    p.add_argument("--log-train-stats", action="store_true", default=None, help=TRAIN_STATS_HELP)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clipless", description="Differentially private training without clipping.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="private training; prints accuracy and epsilon, writes result.json")
-    train.add_argument("--config", help="YAML file with any of the options below (flags override it)")
-    train.add_argument("--method", choices=["clipless", "dpsgd", "nonprivate"],
-                       help="clipless DP-SGD (default), clipped DP-SGD through Opacus, or non-private training")
-    train.add_argument("--max-grad-norm", type=float, help="per-example clipping norm C of dpsgd")
-    train.add_argument("--dataset", help="digits (embedded), mnist, or a .npz/.csv tabular file")
-    train.add_argument("--data-dir", help="directory holding the dataset files (MNIST IDX .gz, tabular files)")
-    train.add_argument("--model", choices=["mlp", "cnn", "vgg", "resnet", "mixer"],
-                       help="Lipschitz architecture (mlp, cnn, vgg, resnet, mixer)")
-    train.add_argument("--hidden", type=int, nargs="*", help="hidden widths of the dense layers")
-    train.add_argument("--channels", type=int, nargs="*",
-                       help="conv channels per stage (cnn, vgg, resnet); mixer: the first value is the token width")
-    train.add_argument("--patch-size", type=int, help="mixer: side of the square patches (must tile the image)")
-    train.add_argument("--features", choices=["none", "scattering"],
-                       help="scattering: train on fixed wavelet scattering features of the images (data-independent, "
-                       "norm 1; the model must be mlp)")
-    train.add_argument("--activation", help="maxmin or groupsortK")
-    train.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
-    train.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
-    train.add_argument("--tau", type=float, help="temperature of tau_ce")
-    train.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C))")
-    train.add_argument("--adaptive-clip-quantile", type=float,
-                       help="make the loss-gradient clip adaptive: C tracks this private quantile of the logit "
-                       "gradient norms (Andrew et al.), starting at --loss-grad-clip; its cost enters epsilon")
-    train.add_argument("--count-noise-multiplier", type=float,
-                       help="noise multiplier of the adaptive clip's count (default: batch size / 20)")
-    train.add_argument("--epsilon", type=float, help="target epsilon (sigma is calibrated to reach it)")
-    train.add_argument("--delta", type=float)
-    train.add_argument("--noise-multiplier", type=float, help="fix sigma instead (with --epsilon: steps are calibrated)")
-    train.add_argument("--batch-size", type=float, help="expected Poisson batch size")
-    train.add_argument("--epochs", type=int)
-    train.add_argument("--strategy", choices=["global", "per_layer"])
-    train.add_argument("--accountant", choices=["pld", "rdp"])
-    train.add_argument("--optimizer", choices=["adam", "sgd"])
-    train.add_argument("--lr", type=float)
-    train.add_argument("--seed", type=int, help=SEED_HELP)
-    train.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP)
-    train.add_argument("--log-train-stats", action="store_true", default=None, help=TRAIN_STATS_HELP)
+    _add_run_options(train)
     train.add_argument("--output-dir", help="where result.json and checkpoint.pt go")
     train.add_argument("--resume", action="store_true", default=None, help="resume from output-dir/checkpoint.pt")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+    audit = sub.add_parser("audit", help="empirical privacy audit of a clipless run: an epsilon lower bound at a stated "
+                           "confidence next to the claimed epsilon; writes audit.json and audit.png")
+    _add_run_options(audit)
+    audit.add_argument("--mode", choices=["step", "one-run"], default="step",
+                       help="step: white-box audit of one private step of the configured model at its planned sigma "
+                       "(many steps on D and D' = D + a crafted canary); one-run: black-box audit of one full "
+                       "training run with --trials mislabelled canaries, each included with probability 1/2")
+    audit.add_argument("--trials", type=int, help="step: steps on each of D and D' (default 2000); one-run: "
+                       "canaries (default min(1000, N/4))")
+    audit.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound")
+    audit.add_argument("--sampling", choices=["full", "poisson"], default="full",
+                       help="step mode: audit the unsubsampled step (full) or the Poisson-subsampled step of the run")
+    audit.add_argument("--noise-scale", type=float, default=1.0,
+                       help="DIAGNOSTIC: draw S times the planned noise while claiming the plan (a deliberate "
+                       "calibration bug the audit should report as a VIOLATION)")
+    audit.add_argument("--output-dir", help="where audit.json and audit.png go")
+    audit.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 
     pre = sub.add_parser("pretrain", help="private contrastive/spreadout pre-training (Logit-DP, Naive-DP, "
                          "non-private); prints kNN accuracy and epsilon, writes result.json")
@@ -348,17 +371,15 @@ def _resumed_config(config: Dict[str, Any], explicit: set) -> Dict[str, Any]:
     return resumed
 
 
-def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
+def _prepare_data(config: Dict[str, Any]) -> Tuple[Any, Tuple[int, ...], Optional[int]]:
+    """The dataset of ``config`` (scattering features applied), its input shape, and the public seed."""
     from .data.datasets import load_dataset
-    from .nn.clipping import AdaptiveLossGradientClip, LossGradientClip
-    from .nn.models import build_loss, build_model, build_optimizer
-    from .train.trainer import PrivateTrainer
 
     seed: Optional[int] = None if config["seed"] is None or config["seed"] < 0 else int(config["seed"])
     if seed is not None:
         torch.manual_seed(seed)
     data = load_dataset(config["dataset"], config["data_dir"], seed=seed or 0)
-    shape, classes = data.input_shape, data.num_classes
+    shape = data.input_shape
     if config["features"] == "scattering":
         from .data.features import scattering_split
 
@@ -366,8 +387,15 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
             raise SystemExit("--features scattering needs image data and --model mlp (the features are a vector)")
         data = scattering_split(data, radius=1.0, progress=bool(config["progress"]))
         shape = data.input_shape
-    if config["method"] != "clipless":
-        return run_baseline(config, data, seed)
+    return data, shape, seed
+
+
+def _build_clipless(config: Dict[str, Any], data: Any, shape: Tuple[int, ...]) -> Tuple[Any, Any, Any, Optional[float]]:
+    """``(model, loss, optimizer, input_bound)`` of a clipless run: the same for training and audits."""
+    from .nn.clipping import AdaptiveLossGradientClip, LossGradientClip
+    from .nn.models import build_loss, build_model, build_optimizer
+
+    classes = data.num_classes
     model_kwargs: Dict[str, Any] = {"input_clip": config["input_clip"], "activation": config["activation"]}
     if config["model"] != "mlp":
         if len(shape) != 3:
@@ -398,12 +426,18 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
             input_bound = float(torch.tensor(shape).prod().sqrt())
         else:
             raise SystemExit("tabular data has no fixed norm bound: pass --input-clip C")
-    out_dir = Path(config["output_dir"])
-    trainer = PrivateTrainer(
+    return model, loss, optimizer, input_bound
+
+
+def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, train_data: Any, test_data: Any,
+             shape: Tuple[int, ...], input_bound: Optional[float], checkpoint: Optional[Path]) -> Any:
+    from .train.trainer import PrivateTrainer
+
+    return PrivateTrainer(
         model,
         optimizer,
         loss,
-        data.train,
+        train_data,
         input_shape=shape,
         batch_size=config["batch_size"],
         delta=config["delta"],
@@ -414,11 +448,21 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         strategy=config["strategy"],
         accountant=config["accountant"],
         noise_seed=config["noise_seed"],
-        test_data=data.test,
+        test_data=test_data,
         progress=bool(config["progress"]),
-        checkpoint_path=out_dir / "checkpoint.pt",
+        checkpoint_path=checkpoint,
         log_train_stats=bool(config["log_train_stats"]),
     )
+
+
+def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
+    data, shape, seed = _prepare_data(config)
+    if config["method"] != "clipless":
+        return run_baseline(config, data, seed)
+    model, loss, optimizer, input_bound = _build_clipless(config, data, shape)
+    out_dir = Path(config["output_dir"])
+    trainer = _trainer(config, model, loss, optimizer, data.train, data.test, shape, input_bound,
+                       out_dir / "checkpoint.pt")
     trainer.run_config = {k: v for k, v in config.items() if k != "resume"}
     if config["resume"]:
         trainer.load_checkpoint(out_dir / "checkpoint.pt")
@@ -430,10 +474,10 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     return _write_result(out_dir, result)
 
 
-def _write_result(out_dir: Path, result: Dict[str, Any]) -> Dict[str, Any]:
+def _write_result(out_dir: Path, result: Dict[str, Any], name: str = "result.json") -> Dict[str, Any]:
     from .train.checkpoint import write_atomically
 
-    write_atomically(out_dir / "result.json", json.dumps(result, indent=2, default=str).encode())
+    write_atomically(out_dir / name, json.dumps(result, indent=2, default=str).encode())
     return result
 
 
@@ -533,6 +577,81 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     return _write_result(out_dir, result)
 
 
+def run_audit(config: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+    """``clipless audit``: the step or one-run audit of the run ``config`` describes; writes audit.json/.png."""
+    import copy
+
+    from .diagnostics.one_run import loss_scores, mislabelled_canaries, one_run_audit
+    from .diagnostics.step_audit import audit_step, miscalibrated
+    from .privacy.privacy_engine import PrivacyEngine
+    from .privacy.randomness import randomness_label
+
+    if config["method"] != "clipless":
+        raise ValueError(f"the audit checks clipless runs; --method {config['method']} is not one")
+    if not (0 < args.confidence < 1):
+        raise ValueError(f"--confidence must be in (0, 1), got {args.confidence}")
+    if not (args.noise_scale > 0):
+        raise ValueError(f"--noise-scale must be positive, got {args.noise_scale}")
+    out_dir = Path(config["output_dir"])
+    prepare_output_dir(out_dir)
+    data, shape, seed = _prepare_data(config)
+    n = len(data.train)
+    extra: Dict[str, Any] = {}
+    if args.mode == "step":
+        trials = 2000 if args.trials is None else args.trials
+        if trials < 8:
+            raise ValueError(f"--trials must be >= 8 in step mode, got {trials}")
+        model, loss, optimizer, input_bound = _build_clipless(config, data, shape)
+        # The sigma of the run, planned by the very code a training uses (on a copy of the model).
+        probe = copy.deepcopy(model)
+        _, planned, _ = PrivacyEngine(config["accountant"]).make_private(
+            module=probe, optimizer=torch.optim.SGD(probe.parameters(), lr=0.0), data=data.train, loss=loss,
+            noise_multiplier=config["noise_multiplier"], input_shape=shape, batch_size=config["batch_size"],
+            input_bound=input_bound, strategy=config["strategy"], target_epsilon=config["epsilon"],
+            target_delta=config["delta"], epochs=config["epochs"])
+        sample_rate = 1.0 if args.sampling == "full" else float(config["batch_size"]) / n
+        result = audit_step(model, loss, input_shape=shape, input_bound=input_bound,
+                            noise_multiplier=planned.plan.gradient_sigma, sample_rate=sample_rate,
+                            strategy=config["strategy"], accountant=config["accountant"], delta=config["delta"],
+                            trials=trials, confidence=args.confidence, noise_scale=args.noise_scale,
+                            noise_seed=config["noise_seed"], progress=bool(config["progress"]))
+        extra["audited_weights"] = "the model at initialization (public seed); no training data is used"
+    else:
+        trials = min(1000, n // 4) if args.trials is None else args.trials
+        rest, cx, cy = mislabelled_canaries(data.train, trials, torch.Generator().manual_seed(seed or 0))
+        trained_loss: List[Any] = []
+
+        def train(train_set: Any) -> Tuple[Any, float]:
+            model, loss, optimizer, input_bound = _build_clipless(config, data, shape)
+            trainer = _trainer(config, model, loss, optimizer, train_set, data.test, shape, input_bound, None)
+            if args.noise_scale != 1.0:
+                trainer.optimizer.plan = miscalibrated(trainer.optimizer.plan, args.noise_scale)
+            fitted = trainer.fit()
+            extra.update(test_accuracy=fitted.test_accuracy, steps=fitted.steps)
+            trained_loss.append(loss)
+            return trainer.eval_model(), fitted.epsilon
+
+        def score(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return loss_scores(model, trained_loss[-1], x, y)
+
+        result = one_run_audit(train, rest, (cx, cy), score, delta=config["delta"], confidence=args.confidence,
+                               seed=config["noise_seed"])
+    record = {**result.to_dict(), **extra, "dataset": data.name, "config": config,
+              **randomness_label(config["noise_seed"])}
+    if args.noise_scale != 1.0:
+        record["diagnostic"] = (f"the audited mechanism drew {args.noise_scale:g} x the planned noise while claiming "
+                                "the plan (--noise-scale): a deliberate bug, not a clipless run")
+    _write_result(out_dir, record, "audit.json")
+    try:
+        from .diagnostics.plots import plot_audit_scores
+
+        record["plot"] = str(plot_audit_scores(result, out_dir / "audit.png"))
+    except ImportError as err:  # matplotlib is an optional extra
+        print(f"no plot: {err}", file=sys.stderr)
+    record["summary"] = result.summary_line()
+    return record
+
+
 def _privacy_status(result: Dict[str, Any]) -> str:
     if result.get("private"):
         return "private (noise and batches from OS entropy)"
@@ -563,6 +682,10 @@ def _run(args: argparse.Namespace) -> int:
             f"{result['steps']} steps, {result['wall_time_s']:.1f}s; {_privacy_status(result)}; "
             f"result in {Path(config['output_dir']) / 'result.json'}"
         )
+    elif args.command == "audit":
+        config = resolve_config(args)
+        record = run_audit(config, args)
+        print(f"{record['summary']}; {_privacy_status(record)}; audit in {Path(config['output_dir']) / 'audit.json'}")
     elif args.command == "pretrain":
         result = run_pretrain(args)
         privacy = ("no privacy (non-private baseline)" if result["epsilon"] is None else

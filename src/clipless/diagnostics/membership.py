@@ -1,15 +1,18 @@
-"""Membership-inference audits of a trained model (spec §3.5), and the bound DP puts on them.
+"""Membership-inference audits of a trained model (spec §3.5, §9), and the bound DP puts on them.
 
 Two attacks: the loss threshold of Yeom et al. (guess "member" when the loss is low) and a shadow-model
 attack (Shokri et al.): shadow models trained on known halves of a disjoint pool give labelled
 (features -> member?) examples for a logistic-regression attacker.  An (epsilon, delta)-DP training
 bounds every attack's advantage ``TPR - FPR`` by ``(e^eps - 1 + 2 delta) / (e^eps + 1)``.
+:func:`membership_audit` turns any attack's scores into an epsilon lower bound (an
+:class:`~clipless.diagnostics.audit_stats.AuditResult`, like the step and one-run audits): with the
+one-run statistic of Steinke et al., valid when each record's membership was an independent fair coin.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -17,8 +20,10 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from ..train.evaluation import collect_outputs
+from .audit_stats import AuditResult, one_run_bound
 
-__all__ = ["dp_advantage_bound", "per_example_losses", "loss_threshold_attack", "shadow_model_attack"]
+__all__ = ["dp_advantage_bound", "per_example_losses", "loss_threshold_attack", "shadow_model_attack",
+           "shadow_model_scores", "membership_audit"]
 
 
 def dp_advantage_bound(epsilon: float, delta: float) -> float:
@@ -61,7 +66,7 @@ def _features(model: nn.Module, data: Dataset, num_classes: int) -> np.ndarray:
     return torch.cat([true[:, None], true.clamp_min(1e-30).log()[:, None], top], dim=1).numpy()
 
 
-def shadow_model_attack(
+def shadow_model_scores(
     train_shadow: Callable[[Dataset], nn.Module],
     shadow_pool: Dataset,
     target: nn.Module,
@@ -70,10 +75,11 @@ def shadow_model_attack(
     num_classes: int,
     num_shadows: int = 4,
     seed: int = 0,
-) -> Dict[str, float]:
+) -> Tuple[np.ndarray, np.ndarray]:
     """Shadow-model attack: ``train_shadow`` (the target's training recipe) is run on ``num_shadows`` random
     halves of ``shadow_pool`` (data disjoint from the target's); a logistic regression learns member vs
-    non-member from the shadows' outputs and is scored on the target's ``members`` / ``nonmembers``."""
+    non-member from the shadows' outputs.  Returns its member probabilities on the target's ``members``
+    and ``nonmembers``."""
     from sklearn.linear_model import LogisticRegression
 
     rng = np.random.default_rng(seed)
@@ -87,6 +93,39 @@ def shadow_model_attack(
                   _features(model, Subset(shadow_pool, outside), num_classes)]
         labels += [np.ones(len(inside)), np.zeros(len(outside))]
     attacker = LogisticRegression(max_iter=1000).fit(np.concatenate(feats), np.concatenate(labels))
-    x = np.concatenate([_features(target, members, num_classes), _features(target, nonmembers, num_classes)])
-    y = np.concatenate([np.ones(len(members)), np.zeros(len(nonmembers))])  # type: ignore[arg-type]
-    return _attack_metrics(y, attacker.predict_proba(x)[:, 1])
+    return (attacker.predict_proba(_features(target, members, num_classes))[:, 1],
+            attacker.predict_proba(_features(target, nonmembers, num_classes))[:, 1])
+
+
+def shadow_model_attack(*args: Any, **kwargs: Any) -> Dict[str, float]:
+    """Advantage and AUROC of the shadow-model attack (arguments of :func:`shadow_model_scores`)."""
+    inside, outside = shadow_model_scores(*args, **kwargs)
+    labels = np.concatenate([np.ones(len(inside)), np.zeros(len(outside))])
+    return _attack_metrics(labels, np.concatenate([inside, outside]))
+
+
+def membership_audit(member_scores: Any, nonmember_scores: Any, delta: float, confidence: float = 0.95,
+                     epsilon_claimed: Optional[float] = None, mode: str = "membership") -> AuditResult:
+    """Epsilon lower bound from an attack's scores (higher = member), as an :class:`AuditResult`.
+
+    The one-run statistic (spec §9) guesses "member" for the highest scores and "non-member" for the
+    lowest; it bounds epsilon at ``confidence`` when every record's membership was decided by an
+    independent fair coin (as :func:`~clipless.diagnostics.one_run.one_run_audit` does).  For a fixed
+    train/test split it is an estimate.  The attack's advantage and AUROC are in ``details``.
+    """
+    inside = np.asarray(member_scores, dtype=float).reshape(-1)
+    outside = np.asarray(nonmember_scores, dtype=float).reshape(-1)
+    if len(inside) == 0 or len(outside) == 0:
+        raise ValueError("a membership audit needs members and non-members")
+    scores = np.concatenate([inside, outside])
+    included = np.concatenate([np.ones(len(inside), dtype=bool), np.zeros(len(outside), dtype=bool)])
+    bound = one_run_bound(scores, included, delta, confidence)
+    metrics = _attack_metrics(included.astype(float), scores)
+    return AuditResult(mode=mode, epsilon_claimed=epsilon_claimed, epsilon_lower=bound["epsilon_lower"],
+                       confidence=confidence, delta=delta, trials=len(scores),
+                       method="one-run guesses (Steinke et al. 2023), best of k+ = k- settings with Bonferroni",
+                       details={**metrics, "guesses": bound["guesses"], "correct": bound["correct"],
+                                "settings_tried": bound["settings_tried"],
+                                "advantage_bound": dp_advantage_bound(epsilon_claimed, delta)
+                                if epsilon_claimed is not None else None},
+                       scores_out=outside, scores_in=inside)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -13,6 +13,8 @@ __all__ = [
     "plot_tightness",
     "plot_certified_accuracy",
     "plot_pareto",
+    "plot_audit_scores",
+    "plot_audit_tightness",
 ]
 
 PathLike = Union[str, Path]
@@ -108,5 +110,48 @@ def plot_pareto(points: Mapping[str, Dict[float, float]], path: PathLike, refere
     ax.set_xscale("log")
     ax.set_xlabel("epsilon (delta = 1e-5)")
     ax.set_ylabel("test accuracy")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+_WORLDS = {"step": ("D (without the canary)", "D' (with the canary)"),
+           "one-run": ("canaries left out", "canaries included"),
+           "membership": ("non-members", "members")}
+
+
+def plot_audit_scores(result: Any, path: PathLike) -> Path:
+    """The attack's two score distributions (an :class:`~clipless.diagnostics.audit_stats.AuditResult`),
+    with the claimed and the audited epsilon in the title."""
+    plt, fig, (ax,) = _figure(width=5.6)
+    out_label, in_label = _WORLDS.get(result.mode, ("D", "D'"))
+    both = list(result.scores_out) + list(result.scores_in)
+    bins = 40 if len(both) > 200 else 20
+    ax.hist(result.scores_out, bins=bins, histtype="step", linewidth=1.5, density=True, label=out_label)
+    ax.hist(result.scores_in, bins=bins, histtype="step", linewidth=1.5, density=True, label=in_label)
+    threshold = result.details.get("threshold_test", {}).get("threshold")
+    if threshold is not None:
+        ax.axvline(threshold, color="k", linestyle=":", label="chosen threshold")
+    claimed = "none" if result.epsilon_claimed is None else f"{result.epsilon_claimed:.2f}"
+    ax.set_title(f"{result.mode} audit: epsilon >= {result.epsilon_lower:.2f} ({result.confidence:.0%}), "
+                 f"claimed {claimed}: {result.verdict}", fontsize=9)
+    ax.set_xlabel("attack score" + (" (whitened projection on the canary gradient)" if result.mode == "step" else ""))
+    ax.set_ylabel("density")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def plot_audit_tightness(rows: Sequence[Mapping[str, Any]], path: PathLike) -> Path:
+    """Claimed vs audited epsilon against the noise multiplier (rows with ``noise_multiplier``,
+    ``epsilon_claimed`` and one or more ``epsilon_lower*`` keys)."""
+    plt, fig, (ax,) = _figure()
+    sigmas = [r["noise_multiplier"] for r in rows]
+    ax.plot(sigmas, [r["epsilon_claimed"] for r in rows], marker="o", color="k", label="claimed (accountant)")
+    for key, label in (("epsilon_lower_gdp", "audited, Gaussian-DP fit"),
+                       ("epsilon_lower_threshold_test", "audited, threshold test (Clopper-Pearson)")):
+        if all(key in r for r in rows):
+            ax.plot(sigmas, [r[key] for r in rows], marker="s", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("noise multiplier sigma (one unsubsampled step)")
+    ax.set_ylabel("epsilon (delta = 1e-5)")
     ax.legend(fontsize=8)
     return _save(plt, fig, path)
