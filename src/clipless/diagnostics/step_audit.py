@@ -169,7 +169,7 @@ def audit_step(
     crafted_norm = None
     with paused_guards(model):
         if canary is None:
-            cx, cy, crafted_norm = craft_canary(model, loss, input_shape, x0 if data_bound is None else min(x0, data_bound),
+            cx, cy, crafted_norm = craft_canary(model, loss, input_shape, x0,
                                                 generator=make_generator(noise_seed, stream=3))
         else:
             cx, cy = canary
