@@ -130,12 +130,20 @@ class LipschitzConv2d(BoundedModule):
         circular = self.padding_mode == "circular"
         nh, nw = (h, w) if circular else (h + 2 * ph, w + 2 * pw)
         kernel = self.weight.detach().to(torch.float64)
-        full = torch.zeros(self.out_channels, self.in_channels, nh, nw, dtype=torch.float64, device=kernel.device)
-        for i in range(kh):
-            for j in range(kw):
-                full[:, :, i % nh, j % nw] += kernel[:, :, i, j]
-        spectrum = torch.fft.fft2(full).permute(2, 3, 0, 1).reshape(nh * nw, self.out_channels, self.in_channels)
-        norm = torch.linalg.matrix_norm(spectrum, ord=2).max().item()
+        if kh > nh or kw > nw:  # the kernel wraps around the circle: fold it first
+            full = torch.zeros(self.out_channels, self.in_channels, nh, nw, dtype=torch.float64, device=kernel.device)
+            for i in range(kh):
+                for j in range(kw):
+                    full[:, :, i % nh, j % nw] += kernel[:, :, i, j]
+            kernel = full
+        # A real kernel's spectrum is conjugate-symmetric (A(-f) = conj A(f), same singular values): the
+        # half spectrum of rfft2 holds every singular value.  Per frequency, the top eigenvalue of the
+        # smaller Gram matrix is the squared spectral norm.
+        spectrum = torch.fft.rfft2(kernel, s=(nh, nw)).permute(2, 3, 0, 1).reshape(-1, self.out_channels,
+                                                                                  self.in_channels)
+        gram = spectrum.mH @ spectrum if self.in_channels <= self.out_channels else spectrum @ spectrum.mH
+        top = torch.linalg.eigvalsh(gram)[..., -1].max().item()
+        norm = math.sqrt(max(top, 0.0)) if math.isfinite(top) else math.nan
         if not math.isfinite(norm):
             raise BoundError("convolution kernel contains NaN or infinite values")
         repeats = 1

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from ..privacy.certified import (
-    certified_spectral_norm,
-)
+from ..privacy.certified import CERT_MARGIN, CertifiedValueCache, certified_spectral_norm
 
-__all__ = ["per_example_norm", "broadcast_per_example", "bjorck_orthonormalize", "project_matrix_", "clip_norm_", "positive_finite", "check_projection"]
+__all__ = ["per_example_norm", "broadcast_per_example", "bjorck_orthonormalize", "project_matrix_", "clip_norm_",
+           "positive_finite", "check_projection", "max_min", "l2_norm_pool2d", "rescale_to_unit_ball_"]
 
 
 def per_example_norm(x: torch.Tensor) -> torch.Tensor:
@@ -35,10 +35,12 @@ def bjorck_orthonormalize(weight: torch.Tensor, max_iters: int = 30, tol: float 
     if transpose:
         w = w.T
     gram = w @ w.T
-    top = torch.linalg.eigvalsh(gram)[-1].clamp_min(0).sqrt()
-    if top > 1.5:
-        w = w / top
-        gram = gram / top**2
+    # max row sum of |G| >= lambda_max(G): the exact top singular value is only needed when it might exceed 1.5
+    if gram.abs().sum(dim=1).max() > 2.25:
+        top = torch.linalg.eigvalsh(gram)[-1].clamp_min(0).sqrt()
+        if top > 1.5:
+            w = w / top
+            gram = gram / top**2
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     for _ in range(max_iters):
         if (gram - eye).abs().max() < tol:
@@ -56,6 +58,21 @@ def project_matrix_(matrix: torch.Tensor, projection: str, scale: float, bjorck_
         return bjorck_orthonormalize(matrix, bjorck_iters) / scale
     norm = certified_spectral_norm(matrix) * scale
     return matrix / norm if norm > 1.0 else matrix
+
+
+@torch.no_grad()
+def rescale_to_unit_ball_(weight: torch.Tensor, cache: CertifiedValueCache, key: object = None) -> None:
+    """``W <- W / max(1, s)`` with ``s`` the certified ``||W||_2``; the stored weight's certified bound is put in
+    ``cache`` so it is not recomputed: ``s`` when ``W`` is kept, else ``1 + ||E||_F`` where the division's
+    rounding ``E`` has ``|E| <= 2 eps |W| / s`` elementwise (``||W / s||_2 <= 1`` exactly)."""
+    norm = certified_spectral_norm(weight)
+    if norm <= 1.0:
+        cache.put(weight, key, norm)
+        return
+    frobenius = torch.linalg.vector_norm(weight.detach().to(torch.float64)).item()
+    weight.div_(norm)
+    rounding = 2 * torch.finfo(weight.dtype).eps * frobenius / norm
+    cache.put(weight, key, (1.0 + rounding) * CERT_MARGIN)
 
 
 def clip_norm_(tensor: torch.Tensor, max_norm: float) -> None:
@@ -76,3 +93,74 @@ def check_projection(projection: str) -> str:
     return projection
 
 
+
+
+class _MaxMin(torch.autograd.Function):
+    """``(a, b) -> (max, min)`` over pairs along ``dim`` of a grouped view, written in place of a stack.
+
+    The Jacobian is a permutation per input (ties send ``a`` to the max), so the layer is 1-Lipschitz and
+    gradient-norm preserving; the backward keeps the boolean ``a >= b`` and needs three fused passes
+    (``torch.where`` is several times slower on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, grouped: torch.Tensor, dim: int) -> torch.Tensor:  # type: ignore[override]
+        a, b = grouped.select(dim, 0), grouped.select(dim, 1)
+        out = torch.empty_like(grouped)
+        torch.maximum(a, b, out=out.select(dim, 0))
+        torch.minimum(a, b, out=out.select(dim, 1))
+        ctx.save_for_backward(a >= b)  # one byte per pair
+        ctx.dim = dim
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (keep,) = ctx.saved_tensors
+        dim = ctx.dim
+        g_max, g_min = grad.select(dim, 0), grad.select(dim, 1)
+        if torch.is_grad_enabled():  # create_graph: differentiable ops only
+            diff, keep = g_max - g_min, keep.to(grad.dtype)
+            return torch.stack((g_min + keep * diff, g_max - keep * diff), dim=dim), None
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        grad_a, grad_b = out.select(dim, 0), out.select(dim, 1)
+        torch.sub(g_max, g_min, out=grad_b)
+        torch.addcmul(g_min, keep, grad_b, out=grad_a)  # a got the max where keep, the min elsewhere
+        torch.addcmul(g_max, keep, grad_b, value=-1, out=grad_b)
+        return out, None
+
+
+def max_min(grouped: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sort each pair along ``dim`` (size 2) into ``(max, min)``: the MaxMin activation on a grouped view."""
+    if grouped.shape[dim] != 2:
+        raise ValueError(f"max_min needs pairs along dim {dim}, got size {grouped.shape[dim]}")
+    return _MaxMin.apply(grouped, dim)
+
+
+class _L2NormPool2d(torch.autograd.Function):
+    """``sqrt(sum_window x^2 + eps) - sqrt(eps)`` over disjoint ``k x k`` windows; the backward is
+    ``x * broadcast(g / r)`` with ``r = out + sqrt(eps)``: one product over a window view of ``x``
+    (no upsampled copy; CPU nearest upsampling is slower than the whole convolution)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: int, eps: float) -> torch.Tensor:  # type: ignore[override]
+        out = F.avg_pool2d(x * x, k, stride=k).mul_(k * k).add_(eps).sqrt_().sub_(math.sqrt(eps))
+        ctx.save_for_backward(x, out)
+        ctx.k, ctx.eps = k, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, out = ctx.saved_tensors
+        k = ctx.k
+        scale = grad / (out + math.sqrt(ctx.eps))
+        hk, wk = scale.shape[-2] * k, scale.shape[-1] * k
+        windows = x[..., :hk, :wk].reshape(x.shape[:-2] + (scale.shape[-2], k, scale.shape[-1], k))
+        inner = (windows * scale[..., :, None, :, None]).reshape(x.shape[:-2] + (hk, wk))
+        if hk != x.shape[-2] or wk != x.shape[-1]:  # rows/columns past the last full window get no gradient
+            inner = F.pad(inner, (0, x.shape[-1] - wk, 0, x.shape[-2] - hk))
+        return inner, None, None
+
+
+def l2_norm_pool2d(x: torch.Tensor, kernel_size: int, eps: float) -> torch.Tensor:
+    """Per-channel L2 norm over disjoint ``kernel_size`` windows, minus ``sqrt(eps)`` (0 at 0, differentiable)."""
+    return _L2NormPool2d.apply(x, int(kernel_size), float(eps))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..privacy.modules import BoundedModule, InputClip, LayerBound
-from .functional import broadcast_per_example, per_example_norm, positive_finite
+from .functional import broadcast_per_example, l2_norm_pool2d, max_min, per_example_norm, positive_finite
 
 __all__ = ["InputNormClip", "GroupSort", "MaxMin", "L2NormPool2d", "ScaledAvgPool2d", "Permute", "LayerCentering"]
 
@@ -86,9 +86,7 @@ class MaxMin(GroupSort):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = self.dim % x.dim()
-        g = self._grouped(x)
-        a, b = g.select(dim + 1, 0), g.select(dim + 1, 1)
-        return torch.stack((torch.maximum(a, b), torch.minimum(a, b)), dim=dim + 1).reshape(x.shape)
+        return max_min(self._grouped(x), dim + 1).reshape(x.shape)
 
 
 class L2NormPool2d(BoundedModule):
@@ -105,9 +103,7 @@ class L2NormPool2d(BoundedModule):
         self.kernel_size, self.eps = int(kernel_size), float(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.kernel_size
-        sq = F.avg_pool2d(x * x, k, stride=k) * (k * k)
-        return torch.sqrt(sq + self.eps) - math.sqrt(self.eps)
+        return l2_norm_pool2d(x, self.kernel_size, self.eps)
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
         return LayerBound(lipschitz=1.0, out_bound=x_bound)

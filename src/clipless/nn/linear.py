@@ -15,7 +15,7 @@ from ..privacy.certified import (
     certified_spectral_norm,
 )
 from ..privacy.modules import BoundedModule, LayerBound
-from .functional import check_projection, clip_norm_, project_matrix_
+from .functional import bjorck_orthonormalize, check_projection, clip_norm_, rescale_to_unit_ball_
 
 __all__ = ["LipschitzLinear"]
 
@@ -30,7 +30,8 @@ class LipschitzLinear(BoundedModule):
     where the per-example weight gradient ``sum_t g_t x_t^T`` still has norm
     ``<= ||G||_F ||X||_F`` by Cauchy-Schwarz).
     ``projection='bjorck'`` keeps ``W`` orthonormal (gradient-norm preserving);
-    ``'spectral'`` only rescales when ``||W||_2 > 1``.
+    ``'spectral'`` rescales by the certified norm when ``||W||_2 > 1`` and keeps the stored weight's bound,
+    so a step certifies each weight once.
     """
 
     constants = ("in_features", "out_features", "projection", "bias_bound")
@@ -60,7 +61,10 @@ class LipschitzLinear(BoundedModule):
 
     @torch.no_grad()
     def project_(self) -> None:
-        self.weight.copy_(project_matrix_(self.weight, self.projection, 1.0, self.bjorck_iters))
+        if self.projection == "bjorck":
+            self.weight.copy_(bjorck_orthonormalize(self.weight, self.bjorck_iters))
+        else:
+            rescale_to_unit_ball_(self.weight, self._norm_cache)
         if self.bias is not None:
             clip_norm_(self.bias, self.bias_bound)
 

@@ -1,0 +1,146 @@
+"""The fast certificates (issue 16) stay upper bounds under attack: the near-orthonormal shortcut of
+``certified_spectral_norm``, the half-spectrum FFT bound of convolutions, the cheap Björck pre-check,
+the fused MaxMin / L2-norm pooling, and the value cache under in-place edits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clipless.nn.conv import LipschitzConv2d
+from clipless.nn.functional import bjorck_orthonormalize, l2_norm_pool2d, max_min
+from clipless.nn.linear import LipschitzLinear
+from clipless.privacy.certified import certified_spectral_norm
+
+
+def _true_norm(w: torch.Tensor) -> float:
+    return float(torch.linalg.svdvals(w.detach().double())[0])
+
+
+def _orthonormal(rows: int, cols: int, seed: int) -> torch.Tensor:
+    w = torch.empty(rows, cols)
+    torch.nn.init.orthogonal_(w, generator=torch.Generator().manual_seed(seed))
+    return w
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), seed=st.integers(0, 10_000),
+       push=st.floats(0.0, 6e-3), noise=st.floats(0.0, 1e-3))
+def test_near_orthonormal_shortcut_is_an_upper_bound(rows, cols, seed, push, noise) -> None:
+    """Adversarial: all the deviation from orthonormality on the top singular direction (where the
+    Frobenius shortcut is tightest), plus random noise; the bound must never fall below the true norm."""
+    w = _orthonormal(rows, cols, seed).double()
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    s = s.clone()
+    s[0] = s[0] * (1 + push)
+    w = (u * s) @ vh + noise * torch.randn(w.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    w32 = w.float()
+    assert certified_spectral_norm(w32) >= _true_norm(w32)
+
+
+def test_shortcut_and_eigensolver_agree_and_the_shortcut_is_tight() -> None:
+    w = _orthonormal(64, 200, 0)
+    assert certified_spectral_norm(w) == pytest.approx(1.0, abs=1e-5)
+    bigger = w * 1.3  # far from orthonormal: the eigensolver path
+    assert certified_spectral_norm(bigger) == pytest.approx(_true_norm(bigger), rel=1e-8)
+    assert certified_spectral_norm(bigger) >= _true_norm(bigger)
+
+
+def test_bound_follows_every_in_place_edit() -> None:
+    """The cached bound of a layer is recomputed after any edit, even one ulp through .data."""
+    torch.manual_seed(0)
+    layer = LipschitzLinear(32, 16)
+    layer.project_()
+    first = layer.layer_bound(1.0, (32,)).lipschitz
+    assert first >= _true_norm(layer.weight)
+    u, _, vh = torch.linalg.svd(layer.weight.detach().double(), full_matrices=False)
+    for scale in (1 + 1e-7, 1 + 1e-3, 1.05):  # push the top singular value up, in place
+        layer.weight.data.add_(((scale - 1) * torch.outer(u[:, 0], vh[0])).float())
+        bound = layer.layer_bound(1.0, (32,)).lipschitz
+        assert bound >= _true_norm(layer.weight)
+    layer.project_()
+    assert layer.layer_bound(1.0, (32,)).lipschitz >= _true_norm(layer.weight)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cin=st.integers(1, 6), cout=st.integers(1, 6), k=st.sampled_from([1, 2, 3, 5]), n=st.integers(2, 9),
+       pad=st.integers(0, 2), circular=st.booleans(), seed=st.integers(0, 1000))
+def test_half_spectrum_fft_bound_is_the_exact_operator_norm(cin, cout, k, n, pad, circular, seed) -> None:
+    """The rfft2 + Gram bound equals the norm of the conv's dense matrix (built column by column) up to
+    its margin, kernels wrapping around small circles included."""
+    torch.manual_seed(seed)
+    conv = LipschitzConv2d(cin, cout, k, padding=pad, padding_mode="circular" if circular else "zeros",
+                           operator_norm="fft")
+    with torch.no_grad():
+        conv.weight.normal_()
+    shape = (cin, n, n)
+    try:
+        conv(torch.zeros(1, *shape))
+    except RuntimeError:
+        return  # a kernel larger than the padded input: no such layer
+    eye = torch.eye(cin * n * n, dtype=torch.float64).reshape(-1, *shape)
+    with torch.no_grad():
+        dense = torch.nn.functional.conv2d(
+            torch.nn.functional.pad(eye, (pad,) * 4, mode="circular") if circular else eye,
+            conv.weight.double(), stride=conv.stride, padding=0 if circular else pad).flatten(1)
+    exact = float(torch.linalg.svdvals(dense)[0])
+    bound = conv.fft_operator_norm(shape)
+    assert bound >= exact * (1 - 1e-12)
+    if not circular:  # zero padding: the circular embedding is exact for stride 1 up to the crop
+        assert bound <= exact * 1.5 + 1e-9 or k > n
+
+
+def test_bjorck_precheck_rescales_only_large_weights() -> None:
+    w = _orthonormal(20, 30, 1) * 3.0  # top singular value 3 > 1.5: rescaled, then orthonormalized
+    q = bjorck_orthonormalize(w)
+    assert torch.allclose(q @ q.T, torch.eye(20), atol=1e-4)
+    near = _orthonormal(20, 30, 2) * 1.01
+    q = bjorck_orthonormalize(near)
+    assert torch.allclose(q @ q.T, torch.eye(20), atol=1e-4)
+
+
+def _reference_max_min(grouped: torch.Tensor, dim: int) -> torch.Tensor:
+    a, b = grouped.select(dim, 0), grouped.select(dim, 1)
+    return torch.stack((torch.maximum(a, b), torch.minimum(a, b)), dim=dim)
+
+
+@pytest.mark.parametrize("shape,dim", [((5, 4, 2, 3, 3), 2), ((4, 3, 2), 2), ((3, 2, 7), 1)])
+def test_fused_max_min_matches_the_reference_with_exact_gradients(shape, dim) -> None:
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(max_min(x, dim), _reference_max_min(x, dim))
+    assert torch.autograd.gradcheck(lambda t: max_min(t, dim), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: max_min(t, dim), (x,))
+    g = torch.randn(shape, dtype=torch.float64)
+    (gx,) = torch.autograd.grad(max_min(x, dim), x, g)
+    assert math.isclose(float(gx.norm()), float(g.norm()), rel_tol=1e-12)  # a permutation: norm preserved
+
+
+@pytest.mark.parametrize("shape,k", [((3, 4, 8, 8), 2), ((2, 3, 7, 9), 2), ((2, 2, 9, 9), 3)])
+def test_fused_l2_norm_pool_matches_the_reference(shape, k) -> None:
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    ref = torch.sqrt(torch.nn.functional.avg_pool2d(x * x, k, stride=k) * k * k + 1e-10) - 1e-5
+    assert torch.allclose(l2_norm_pool2d(x, k, 1e-10), ref)
+    assert torch.autograd.gradcheck(lambda t: l2_norm_pool2d(t, k, 1e-10), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: l2_norm_pool2d(t, k, 1e-10), (x,))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 30), cols=st.integers(1, 30), scale=st.floats(0.01, 1e4), seed=st.integers(0, 1000))
+def test_spectral_rescale_keeps_a_certified_bound_for_the_stored_weight(rows, cols, scale, seed) -> None:
+    """A 'spectral' layer certifies its weight once per projection and keeps that bound for the stored
+    (divided, rounded) weight: it must stay >= the true norm, and be ~1 when the weight was rescaled."""
+    torch.manual_seed(seed)
+    layer = LipschitzLinear(cols, rows, projection="spectral")
+    with torch.no_grad():
+        layer.weight.normal_().mul_(scale)
+    before = _true_norm(layer.weight)
+    layer.project_()
+    cached = layer._norm_cache.get(layer.weight, None)
+    assert cached is not None and cached >= _true_norm(layer.weight)
+    assert layer.layer_bound(1.0, (cols,)).lipschitz == cached
+    if before > 1.0:
+        assert cached <= 1.0 + 1e-5
