@@ -13,9 +13,13 @@ varies by about +-15% from one process to the next, so single-process ratios are
   unguarded  the same private step with the step guard's checks removed (benchmark only: what they cost)
   standard   non-private step of the unconstrained counterpart (same widths, nn.Conv2d/nn.Linear, ReLU)
   opacus     Opacus DP-SGD step of the standard model (per-example gradients, clipping, noise, Adam)
+  ghost      Opacus DP-SGD with ghost clipping (grad_sample_mode="ghost": per-example norms without
+             per-example gradients, two backward passes), where the installed Opacus has it
 
-Ratios: clipless / lipschitz (the cost of privacy on the same model), clipless / unguarded (the cost of
-the checks that the private step owns its inputs) and opacus / standard.
+Ratios: clipless / standard (the promise: a private step at the price of an ordinary step of an ordinary
+network), clipless / lipschitz (the cost of privacy on the same model), clipless / unguarded (the cost of
+the checks that the private step owns its inputs), opacus / standard, clipless / opacus and clipless /
+ghost; memory ratio clipless / standard.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 import torch
 from report import rss_mb
 
-METHODS = ("lipschitz", "clipless", "unguarded", "standard", "opacus")
+METHODS = ("lipschitz", "clipless", "unguarded", "standard", "opacus", "ghost")
 
 
 class _NoChecks:
@@ -102,11 +106,21 @@ def _build(method: str, model_name: str, batch: int, device: str):
         model = standard_mlp(shape, 10, hidden=() if model_name == "linear" else (256, 256))
     model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    if method == "opacus":
+    if method in ("opacus", "ghost"):
         from opacus import PrivacyEngine
 
         warnings.filterwarnings("ignore")
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.cpu(), y.cpu()), batch_size=batch // 2)
+        if method == "ghost":
+            model, opt, criterion, _ = PrivacyEngine().make_private(
+                module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                poisson_sampling=True, criterion=torch.nn.CrossEntropyLoss(), grad_sample_mode="ghost")
+
+            def ghost_step() -> None:
+                opt.zero_grad()
+                criterion(model(x), y).backward()
+                opt.step()
+            return ghost_step
         model, opt, _ = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
                                                      noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True)
 
@@ -192,6 +206,11 @@ def main() -> None:
                 row["clipless/unguarded"] = row["clipless_ms"] / row["unguarded_ms"]
             if "opacus_ms" in row and "standard_ms" in row:
                 row["opacus/standard"] = row["opacus_ms"] / row["standard_ms"]
+            for other in ("standard", "opacus", "ghost"):
+                if "clipless_ms" in row and f"{other}_ms" in row:
+                    row[f"clipless/{other}"] = row["clipless_ms"] / row[f"{other}_ms"]
+            if "clipless_mb" in row and "standard_mb" in row and row["standard_mb"] > 0:
+                row["clipless/standard MB"] = row["clipless_mb"] / row["standard_mb"]
             rows.append(row)
             print(row, flush=True)
 
@@ -200,11 +219,14 @@ def main() -> None:
 
     print_table(
         f"{'model':5} {'batch':>6} " + " ".join(f"{m + ' ms':>13}" for m in args.methods)
-        + f" {'clipless/lip':>12} {'clipless/ung':>12} {'opacus/std':>10} "
+        + f" {'clipless/std':>12} {'clipless/lip':>12} {'clipless/ung':>12} {'opacus/std':>10} {'cl/opacus':>9}"
+        + f" {'cl/ghost':>8} {'cl/std MB':>9} "
         + " ".join(f"{m + ' MB':>13}" for m in args.methods),
         [f"{r['model']:5} {r['batch']:6d} " + " ".join(f"{cell(r, m + '_ms', '.2f'):>13}" for m in args.methods)
-         + f" {cell(r, 'clipless/lipschitz', '.3f'):>12} {cell(r, 'clipless/unguarded', '.3f'):>12}"
-         + f" {cell(r, 'opacus/standard', '.3f'):>10} "
+         + f" {cell(r, 'clipless/standard', '.3f'):>12} {cell(r, 'clipless/lipschitz', '.3f'):>12}"
+         + f" {cell(r, 'clipless/unguarded', '.3f'):>12} {cell(r, 'opacus/standard', '.3f'):>10}"
+         + f" {cell(r, 'clipless/opacus', '.3f'):>9} {cell(r, 'clipless/ghost', '.3f'):>8}"
+         + f" {cell(r, 'clipless/standard MB', '.2f'):>9} "
          + " ".join(f"{cell(r, m + '_mb', '.0f'):>13}" for m in args.methods) for r in rows],
     )
     write_json(args.out, {"threads": args.threads, "device": args.device, "torch": torch.__version__,

@@ -456,6 +456,9 @@ def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, trai
 
 
 def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
+    if config["method"] != "clipless" and torch.distributed.is_initialized():
+        raise SystemExit(f"--method {config['method']}: the baselines run in one process; only clipless training is "
+                         "distributed")
     data, shape, seed = _prepare_data(config)
     if config["method"] != "clipless":
         return run_baseline(config, data, seed)
@@ -468,10 +471,12 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         trainer.load_checkpoint(out_dir / "checkpoint.pt")
         for group in trainer.optimizer.param_groups:  # the checkpoint's optimizer state restored the old one
             group["lr"] = config["lr"]
-    prepare_output_dir(out_dir)
+    if trainer.rank == 0:
+        prepare_output_dir(out_dir)
     result = trainer.fit().to_dict()
-    result.update({"dataset": data.name, "config": config, "sampling": "poisson (add/remove neighbours)"})
-    return _write_result(out_dir, result)
+    result.update({"dataset": data.name, "config": config, "sampling": "poisson (add/remove neighbours)",
+                   "processes": trainer.world_size})
+    return _write_result(out_dir, result) if trainer.rank == 0 else result
 
 
 def _write_result(out_dir: Path, result: Dict[str, Any], name: str = "result.json") -> Dict[str, Any]:
@@ -658,19 +663,40 @@ def _privacy_status(result: Dict[str, Any]) -> str:
     return f"NOT PRIVATE: {result.get('privacy_note', 'no guarantee')}"
 
 
+def _init_distributed(command: str) -> bool:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1): join the process group (gloo on CPU, NCCL with CUDA)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if command != "train":
+        raise SystemExit(f"clipless {command}: distributed runs are supported by 'clipless train' only (Logit-DP "
+                         "pre-training, the KL study and audits run in one process)")
+    dist = torch.distributed
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    started = _init_distributed(args.command)
     try:
         return _run(args)
     except (ValueError, OSError, BudgetExhaustedError) as err:
         # the library's refusals (bad data, settings, files): one line naming the problem and the fix
         raise SystemExit(f"clipless {args.command}: {' '.join(str(err).split())}") from None
+    finally:
+        if started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         config = resolve_config(args)
         result = run_train(config)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return 0  # rank 0 reports for the run
         acc = result["test_accuracy"]
         privacy = (
             "no privacy (non-private baseline)" if result["epsilon"] is None else

@@ -55,10 +55,12 @@ def add_noise_(
     sigmas: Mapping[str, float],
     expected_batch_size: float,
     generator: torch.Generator,
+    draw: bool = True,
 ) -> Dict[str, float]:
     """Replace each bounded parameter's ``.grad`` (the summed gradient) by ``(sum + noise) / b``.
 
-    Returns the noise standard deviation used for each layer.
+    Returns the noise standard deviation used for each layer.  ``draw=False`` adds nothing (the ranks
+    other than 0 of a distributed step: the noise is drawn once, :mod:`clipless.privacy.distributed`).
     """
     if expected_batch_size <= 0:
         raise ValueError("expected batch size must be positive")
@@ -68,7 +70,7 @@ def add_noise_(
         sigma = sigmas[layer.name]
         std = sigma * (delta if strategy == "global" else layer.bound)
         stds[layer.name] = std
-        add_gaussian_noise_(layer.params, std, expected_batch_size, generator)
+        add_gaussian_noise_(layer.params, std if draw else 0.0, expected_batch_size, generator)
     return stds
 
 
@@ -76,15 +78,33 @@ def add_noise_(
 def add_gaussian_noise_(
     params: Sequence[torch.Tensor], std: float, expected_batch_size: float, generator: torch.Generator
 ) -> None:
-    """``grad <- (grad + N(0, std^2 I)) / b`` for each parameter (a missing ``.grad`` counts as zero)."""
+    """``grad <- (grad + N(0, std^2 I)) / b`` for each parameter (a missing ``.grad`` counts as zero);
+    ``std = 0`` draws nothing."""
     if expected_batch_size <= 0:
         raise ValueError("expected batch size must be positive")
     for param in params:
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if std == 0:
+            param.grad = grad / expected_batch_size
+            continue
         noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
         param.grad = (grad + std * noise) / expected_batch_size
 
 
 def noisy_count(count: float, std: float, generator: Optional[torch.Generator], device: Any = "cpu") -> float:
-    """``count + N(0, std^2)`` in float64: the release of a per-step count of add/remove sensitivity 1."""
-    return count + std * float(torch.randn((), generator=generator, dtype=torch.float64, device=device))
+    """``count + N(0, std^2)`` in float64: the release of a per-step count of add/remove sensitivity 1.
+
+    In a distributed run the local counts are summed over the ranks, rank 0 draws the one noise and every
+    rank receives the same noisy total (:mod:`clipless.privacy.distributed`).
+    """
+    from .distributed import all_reduce_sum_, broadcast_value, world
+
+    rank, size = world()
+    if size == 1:
+        return count + std * float(torch.randn((), generator=generator, dtype=torch.float64, device=device))
+    total = torch.tensor([float(count)], dtype=torch.float64, device=device)
+    all_reduce_sum_([total])
+    noisy = float(total.item())
+    if rank == 0:
+        noisy += std * float(torch.randn((), generator=generator, dtype=torch.float64, device=device))
+    return broadcast_value(noisy, device)

@@ -2,8 +2,10 @@
 
 ``step()`` = step guard -> bound engine -> Gaussian noise on the summed gradient
 -> divide by the expected batch size -> inner step -> projection -> accountant
-step -> gradients cleared.  The gradients it receives must be the gradient of
-the **sum** of per-example losses of one Poisson batch
+step -> gradients cleared.  In a distributed run (``distributed=True``) rank 0
+adds the noise to its local sum and the sums are all-reduced before the
+division (:mod:`clipless.privacy.distributed`).  The gradients it receives must
+be the gradient of the **sum** of per-example losses of one Poisson batch
 (``LipschitzLoss.per_example(...).sum()``); the step guard
 (:class:`~clipless.privacy.input_guard.StepGuard`) refuses a step whose gradients are not.
 """
@@ -18,6 +20,7 @@ from .accounting import PrivacyAccountant
 from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError
+from .distributed import all_reduce_sum_, world
 from .input_guard import StepGuard
 from .modules import step_mechanisms
 from .noise import add_noise_
@@ -42,11 +45,15 @@ class DPOptimizer:
         expected_batch_size: float,
         accountant: PrivacyAccountant,
         generator: Optional[torch.Generator] = None,
+        distributed: bool = False,
     ) -> None:
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
                              f"{accountant.mechanism!r}")
         self.original_optimizer = optimizer
+        self.rank, self.world_size = world() if distributed else (0, 1)
+        if distributed and self.world_size == 1:
+            raise ValueError("distributed=True needs an initialized torch.distributed process group of >= 2 processes")
         self.bound_engine = bound_engine
         self.plan = plan
         self.expected_batch_size = float(expected_batch_size)
@@ -116,9 +123,17 @@ class DPOptimizer:
         self.guard.check_step(params)
         report = self.bound_engine.compute()
         self.last_report = report
-        self.last_noise_std = add_noise_(
-            report, self.plan.strategy, self.plan.layer_sigmas, self.expected_batch_size, self.generator
-        )
+        if self.world_size == 1:
+            self.last_noise_std = add_noise_(
+                report, self.plan.strategy, self.plan.layer_sigmas, self.expected_batch_size, self.generator
+            )
+        else:  # one draw of noise (rank 0) on the global sum, then / b
+            self.last_noise_std = add_noise_(report, self.plan.strategy, self.plan.layer_sigmas, 1.0, self.generator,
+                                             draw=self.rank == 0)
+            grads = [p.grad for layer in report.layers for p in layer.params]
+            all_reduce_sum_(grads)  # type: ignore[arg-type]
+            for g in grads:
+                g.div_(self.expected_batch_size)  # type: ignore[union-attr]
         self.original_optimizer.step()
         self.bound_engine.project_()
         for clip in self.step_mechanisms:  # after the step: its noise used the C of this batch's backward

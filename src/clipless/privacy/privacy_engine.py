@@ -12,6 +12,7 @@ from .accounting import PrivacyAccountant, check_delta
 from .bounds import BoundEngine
 from .calibration import plan_noise, planned_steps
 from .certified import BoundError
+from .distributed import DistributedPoissonBatchSampler, check_same_on_all_ranks, world
 from .input_guard import InputGuard
 from .modules import InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
@@ -86,8 +87,15 @@ class PrivacyEngine:
         epochs: Optional[int] = None,
         noise_generator: Optional[torch.Generator] = None,
         sampling_generator: Optional[torch.Generator] = None,
+        distributed: Optional[bool] = None,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(module, dp_optimizer, poisson_loader)``.
+
+        ``distributed`` (default: on inside a ``torch.distributed`` group of >= 2 processes, e.g. under
+        ``torchrun``): the module comes back wrapped in ``DistributedDataParallel`` (weights broadcast from
+        rank 0; gradients are summed by the private step, after rank 0's noise), the loader yields this rank's
+        part of each global Poisson batch and ``batch_size`` is the expected *global* batch
+        (:mod:`clipless.privacy.distributed`).  Every rank must call it with the same settings: checked.
 
         ``batch_size`` is the *expected* Poisson batch size ``b = qN``.  In the
         loop, backpropagate ``loss.per_example(module(x), y).sum()`` and call
@@ -102,6 +110,23 @@ class PrivacyEngine:
             raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
         dataset, b = _dataset_of(data, batch_size)
         n = len(dataset)  # type: ignore[arg-type]
+        rank, world_size = world()
+        if distributed is None:
+            distributed = world_size > 1
+        if distributed:
+            if world_size == 1:
+                raise ValueError("distributed=True needs an initialized torch.distributed process group of >= 2 "
+                                 "processes (torchrun, or torch.distributed.init_process_group)")
+            check_same_on_all_ranks({
+                "records": n, "expected batch size": b, "noise_multiplier": noise_multiplier,
+                "target_epsilon": target_epsilon, "target_delta": target_delta, "epochs": epochs,
+                "strategy": strategy, "layer_noise_multipliers": layer_noise_multipliers,
+                "accountant": self.accountant.mechanism, "input_shape": tuple(input_shape), "input_bound": input_bound,
+                "loss": (type(loss).__name__, loss.lipschitz),
+                "parameters": [tuple(p.shape) for p in module.parameters()],
+                "noise randomness": "fixed generator" if noise_generator is not None else "os-entropy",
+                "sampling randomness": "fixed generator" if sampling_generator is not None else "os-entropy",
+            }, "make_private")
         if not (0 < b <= n):
             raise ValueError(f"expected batch size {b} must be in (0, N={n}]")
         if target_delta is not None:
@@ -125,12 +150,24 @@ class PrivacyEngine:
             steps=None if epochs is None else planned_steps(epochs, steps_per_epoch),
             mechanism_sigmas=[clip.count_noise_multiplier for clip in step_mechanisms(module)],
         )
+        wrapped: nn.Module = module
+        if distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # DDP broadcasts rank 0's weights; the private step sums the gradients itself, after the noise
+            wrapped = DistributedDataParallel(module, forward_sync_buffers=False)  # buffers: synced once, at init
+            wrapped.require_backward_grad_sync = False
         dp_optimizer = DPOptimizer(optimizer, engine, plan, expected_batch_size=b, accountant=self.accountant,
-                                   generator=noise_generator)
+                                   generator=noise_generator, distributed=bool(distributed))
         self.guard = InputGuard(module, input_shape, data_bound)
-        loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
-                                     steps_per_epoch=steps_per_epoch)
-        return module, dp_optimizer, loader
+        if distributed:
+            sampler = DistributedPoissonBatchSampler(n, sample_rate, rank, world_size, steps_per_epoch,
+                                                     sampling_generator)
+            loader = poisson_data_loader(dataset, sample_rate, steps_per_epoch=steps_per_epoch, batch_sampler=sampler)
+        else:
+            loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
+                                         steps_per_epoch=steps_per_epoch)
+        return wrapped, dp_optimizer, loader
 
     def make_private_with_epsilon(
         self,

@@ -130,9 +130,12 @@ def poisson_data_loader(
     generator: Optional[torch.Generator] = None,
     steps_per_epoch: Optional[int] = None,
     num_workers: int = 0,
+    batch_sampler: Optional[Sampler[List[int]]] = None,
 ) -> DataLoader:
-    """A ``DataLoader`` over ``dataset`` with Poisson batches (possibly empty)."""
-    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, generator)  # type: ignore[arg-type]
+    """A ``DataLoader`` over ``dataset`` with Poisson batches (possibly empty); ``batch_sampler`` replaces the
+    one-process sampler (a rank's part of a distributed Poisson batch)."""
+    sampler = batch_sampler if batch_sampler is not None else PoissonBatchSampler(
+        len(dataset), sample_rate, steps_per_epoch, generator)  # type: ignore[arg-type]
     if hasattr(dataset, "gather"):
         dataset = _GatherView(dataset)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=BatchCollator(dataset), num_workers=num_workers)

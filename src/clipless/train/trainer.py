@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_delta
 from ..privacy.modules import BoundedModule, LipschitzLoss
+from ..privacy.distributed import world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -99,6 +100,7 @@ class PrivateTrainer:
         average_decay: Optional[float] = None,
         tightness_monitor: Optional[TightnessMonitor] = None,
         log_train_stats: bool = False,
+        distributed: Optional[bool] = None,
     ) -> None:
         if target_epsilon is None and noise_multiplier is None:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
@@ -117,7 +119,9 @@ class PrivateTrainer:
         self.sample_rate = batch_size / n
         self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.privacy_engine = PrivacyEngine(accountant)
-        self.sampling_generator = make_generator(noise_seed, stream=1)
+        self.rank, self.world_size = world()
+        # every rank samples its own shard: its own stream (rank 0's is the one-process stream)
+        self.sampling_generator = make_generator(noise_seed, stream=1 + 1000 * self.rank)
         self.model, self.optimizer, self.loader = self.privacy_engine.make_private(
             module=model,
             optimizer=optimizer,
@@ -134,7 +138,15 @@ class PrivateTrainer:
             epochs=epochs,
             noise_generator=make_generator(noise_seed, next(model.parameters()).device, stream=2),
             sampling_generator=self.sampling_generator,
+            distributed=distributed,
         )
+        self.distributed = self.optimizer.world_size > 1
+        # the module itself (the one DistributedDataParallel wraps): evaluation, averaging and checkpoints
+        self.module: nn.Module = model
+        if not self.distributed:
+            self.world_size = 1
+        if self.rank != 0:  # one process writes and logs for all
+            self.log, self.checkpoint_path, self.progress = None, None, False
         plan = self.optimizer.plan
         self.max_steps: int = plan.max_steps  # type: ignore[assignment]
         self.steps = 0
@@ -146,7 +158,7 @@ class PrivateTrainer:
         self.average_decay = average_decay
         self.tightness_monitor = tightness_monitor
         # A deep copy leaves the guards behind (clipless.privacy.input_guard): the average is never stepped by the optimizer.
-        self.averaged_model: Optional[nn.Module] = copy.deepcopy(self.model) if average_decay else None
+        self.averaged_model: Optional[nn.Module] = copy.deepcopy(self.module) if average_decay else None
         self._wall = 0.0
         # What made the run (e.g. the CLI's resolved flags): kept in the checkpoint so a resume can restore it.
         self.run_config: Optional[Dict[str, Any]] = None
@@ -154,13 +166,13 @@ class PrivateTrainer:
     @torch.no_grad()
     def _update_average(self) -> None:
         decay = self.average_decay
-        for avg, p in zip(self.averaged_model.parameters(), self.model.parameters()):  # type: ignore[union-attr]
+        for avg, p in zip(self.averaged_model.parameters(), self.module.parameters()):  # type: ignore[union-attr]
             avg.mul_(decay).add_(p, alpha=1 - decay)
 
     def eval_model(self) -> nn.Module:
         """The model to evaluate and ship: the projected average of the iterates when averaging, else the model."""
         if self.averaged_model is None:
-            return self.model
+            return self.module
         model = copy.deepcopy(self.averaged_model)
         for m in model.modules():
             if isinstance(m, BoundedModule):
@@ -194,7 +206,7 @@ class PrivateTrainer:
             monitor = self.tightness_monitor
             if monitor is not None and monitor.due(self.steps):
                 # before the step: the noise of this step is calibrated to the report of these weights
-                monitor.check(self.model, self.loss, x, y, self.optimizer.bound_engine.compute(), self.steps)
+                monitor.check(self.module, self.loss, x, y, self.optimizer.bound_engine.compute(), self.steps)
             self.optimizer.step()
             if self.averaged_model is not None:
                 self._update_average()
@@ -224,7 +236,7 @@ class PrivateTrainer:
             row["epoch_time_s"] = time.perf_counter() - start
             if self.log_train_stats and self.tightness_monitor is not None and self.tightness_monitor.worst:
                 row["nonprivate_max_tightness"] = max(self.tightness_monitor.worst.values())
-            if self.test_data is not None:
+            if self.test_data is not None and self.rank == 0:
                 row["test_accuracy"] = evaluate(self.eval_model(), self.test_data, device=self.device)["accuracy"]
             self.history.append(row)
             if self.log is not None:
@@ -287,7 +299,8 @@ class PrivateTrainer:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
-            "model": self.model.state_dict(),
+            "model": self.module.state_dict(),
+            "world_size": self.world_size,
             "averaged_model": self.averaged_model.state_dict() if self.averaged_model is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "accountant": self.accountant.state_dict(),
@@ -332,7 +345,12 @@ class PrivateTrainer:
                         else "the same privacy configuration")
                 raise ValueError(f"checkpoint {path} has {key}={saved[key]!r} but this run has {current[key]!r}: "
                                  f"resume with {what}")
-        self.model.load_state_dict(state["model"])
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.world_size:
+            raise ValueError(f"checkpoint {path} was written by a run of {saved_world} process(es), this run has "
+                             f"{self.world_size}: resume with the same number of processes (the Poisson shards and "
+                             "the sampling streams are per process)")
+        self.module.load_state_dict(state["model"])
         if self.averaged_model is not None:
             if state.get("averaged_model") is None:
                 raise ValueError("checkpoint has no averaged model but this run averages iterates")
@@ -341,7 +359,8 @@ class PrivateTrainer:
         self.accountant.load_state_dict(state["accountant"])
         if self.accountant.steps != state["steps"]:
             raise ValueError("checkpoint accountant history does not match its step count")
-        self.sampling_generator.set_state(state["sampling_generator"])
+        if self.rank == 0:  # the other ranks' streams were not saved: they continue from OS entropy (or their seed)
+            self.sampling_generator.set_state(state["sampling_generator"])
         self.steps, self.epoch = state["steps"], state["epoch"]
         self.history = list(state.get("history", []))
         self._wall = state.get("wall_time_s", 0.0)

@@ -1,0 +1,103 @@
+"""One private run across processes, on ``torch.distributed`` (spec §8).
+
+* **Sampling.** Record ``i`` belongs to the shard of rank ``i mod W``; every rank includes each record of its
+  shard with probability ``q``, from its own secret generator.  The union of the ranks' batches is therefore
+  one Poisson(``q``) sample of the whole dataset (independent inclusions), and the accountant composes the
+  same ``q = b / N`` as on one process (``b``: the expected *global* batch).  Local batches may be empty.
+* **Noise.** Rank 0 adds the one draw of ``N(0, sigma^2 Delta^2)`` per coordinate to its local sum; the sums
+  are then all-reduced (SUM) and divided by ``b``.  Rank 0 knows the noise and must be trusted as the single
+  process is; another rank (honest but curious) sees its own records and the noisy global sum only.
+* **Everything else is replicated.** The weights start identical (``DistributedDataParallel`` broadcasts
+  them), every rank computes the same certified bounds and projection on the same noisy gradient, so the
+  weights stay bit-identical; the accountant steps identically on every rank, and files are written by rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import Sampler
+
+from .certified import BoundError
+from .randomness import secret_generator
+from .sampling import poisson_mask, poisson_threshold
+
+__all__ = ["world", "is_distributed", "all_reduce_sum_", "broadcast_value", "check_same_on_all_ranks",
+           "DistributedPoissonBatchSampler"]
+
+
+def world() -> Tuple[int, int]:
+    """``(rank, world size)`` of the default process group, ``(0, 1)`` without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_distributed() -> bool:
+    """True inside an initialized process group of more than one process."""
+    return world()[1] > 1
+
+
+def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
+    """Sum ``tensors`` over all ranks in place, in one all-reduce of a flat buffer."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def broadcast_value(value: float, device: Any = "cpu") -> float:
+    """Rank 0's ``value`` on every rank (float64)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.broadcast(t, src=0)
+    return float(t.item())
+
+
+def check_same_on_all_ranks(values: Dict[str, Any], what: str = "run") -> None:
+    """Refuse, on every rank, a ``what`` whose settings differ between ranks (one guarantee needs one plan)."""
+    _, size = world()
+    if size == 1:
+        return
+    gathered: List[Optional[Dict[str, Any]]] = [None] * size
+    torch.distributed.all_gather_object(gathered, {k: repr(v) for k, v in values.items()})
+    differing = sorted(k for k in values if len({repr(g.get(k)) if g else None for g in gathered}) > 1)
+    if differing:
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {g.get(k) if g else None}" for r, g in enumerate(gathered))
+                           for k in differing)
+        raise BoundError(f"the ranks of this distributed {what} disagree ({detail}): every rank must run the same "
+                         "configuration, or the epsilon of one is not the epsilon of the others")
+
+
+class DistributedPoissonBatchSampler(Sampler[List[int]]):
+    """This rank's part of one Poisson(``sample_rate``) sample of all ``num_samples`` records per step.
+
+    The rank holds records ``rank, rank + W, rank + 2W, ...`` and includes each with probability
+    ``sample_rate`` from ``generator`` (OS entropy by default; it must differ between ranks).
+    ``len`` is the number of steps per epoch, the same on every rank (``round(1/q)`` by default).
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, rank: int, world_size: int,
+                 steps_per_epoch: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
+        if num_samples <= 0:
+            raise ValueError("dataset is empty")
+        if not (0 <= rank < world_size):
+            raise ValueError(f"rank {rank} outside a world of {world_size}")
+        self.threshold = poisson_threshold(sample_rate)
+        self.num_samples, self.sample_rate = int(num_samples), float(sample_rate)
+        self.rank, self.world_size = rank, world_size
+        self.shard = torch.arange(rank, num_samples, world_size)
+        self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
+        self.generator = generator if generator is not None else secret_generator()
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _ in range(self.steps_per_epoch):
+            yield self.shard[poisson_mask(len(self.shard), self.threshold, self.generator)].tolist()

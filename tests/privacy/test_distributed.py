@@ -1,0 +1,226 @@
+"""Distributed private training on torch.distributed (gloo, 2 processes): one Poisson sample, one noise draw,
+the single-process sum, identical weights, refused mismatches, and ``torchrun -m clipless train``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import clipless as cl
+from clipless.privacy.certified import BoundError
+from clipless.privacy.distributed import DistributedPoissonBatchSampler, world
+from clipless.privacy.randomness import make_generator
+
+SHAPE = (64,)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return cl.lipschitz_mlp(SHAPE, 10, hidden=(32,))
+
+
+def _data(n: int = 64, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, *SHAPE, generator=g)
+    return x / x.norm(dim=1, keepdim=True) * 4.0, torch.randint(0, 10, (n,), generator=g)
+
+
+class _Recorder(torch.optim.Optimizer):
+    """Keeps the released gradient and moves nothing (as the step audit does)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(list(params), {})
+        self.released = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.released = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
+
+
+def _private(model, optimizer, x, y, **kwargs):
+    return cl.PrivacyEngine().make_private(
+        module=model, optimizer=optimizer, data=cl.ArrayDataset(x, y), loss=cl.TauCrossEntropy(4.0),
+        noise_multiplier=kwargs.pop("noise_multiplier", 1.0), input_shape=SHAPE, batch_size=16.0, input_bound=4.0,
+        noise_generator=make_generator(7, stream=2), **kwargs)
+
+
+def _worker(rank: int, size: int, init: str, out: str, scenario: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    result = {}
+    try:
+        x, y = _data()
+        if scenario == "sum":
+            model = _model()
+            recorder = _Recorder(model.parameters())
+            ddp, opt, _ = _private(model, recorder, x, y)
+            xs, ys = x[:16][rank::size], y[:16][rank::size]  # this rank's part of one fixed global batch
+            opt.zero_grad()
+            cl.TauCrossEntropy(4.0).per_example(ddp(xs), ys).sum().backward()
+            opt.step()
+            result["released"] = [t.tolist() for t in recorder.released]
+        elif scenario == "steps":
+            model = _model(seed=rank)  # different initial weights: DDP must broadcast rank 0's
+            ddp, opt, loader = _private(model, torch.optim.Adam(model.parameters(), lr=0.05), x, y)
+            loss = cl.TauCrossEntropy(4.0)
+            sizes = []
+            for xb, yb in loader:  # one epoch: round(1/q) = 4 steps
+                opt.zero_grad()
+                loss.per_example(ddp(xb), yb).sum().backward()
+                opt.step()
+                sizes.append(len(xb))
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            gathered = [torch.zeros_like(flat) for _ in range(size)]
+            torch.distributed.all_gather(gathered, flat)
+            result["identical"] = all(torch.equal(gathered[0], g) for g in gathered)
+            result["epsilon"] = opt.accountant.get_epsilon(1e-5)
+            result["steps"] = opt.accountant.steps
+        elif scenario == "noise":
+            model = _model()
+            recorder = _Recorder(model.parameters())
+            ddp, opt, _ = _private(model, recorder, x, y, noise_multiplier=2.0)
+            loss = cl.TauCrossEntropy(4.0)
+            ratios = []
+            for _ in range(20):  # empty local batches everywhere: the release is the noise alone, / b
+                opt.zero_grad()
+                loss.per_example(ddp(x[:0]), y[:0]).sum().backward()
+                opt.step()
+                std = 2.0 * opt.last_report.global_sensitivity / 16.0
+                released = torch.cat([t.reshape(-1) for t in recorder.released]).double()
+                ratios.append(float((released ** 2).mean()) / std ** 2)
+            result["variance_ratio"] = sum(ratios) / len(ratios)
+        elif scenario == "adaptive":
+            torch.manual_seed(0)
+            model = cl.lipschitz_mlp(SHAPE, 10, hidden=(32,))
+            model.append(cl.AdaptiveLossGradientClip(0.5, count_noise_multiplier=2.0, target_quantile=0.5))
+            ddp, opt, loader = _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+            loss = cl.TauCrossEntropy(4.0)
+            for xb, yb in loader:
+                opt.zero_grad()
+                loss.per_example(ddp(xb), yb).sum().backward()
+                opt.step()
+            clip = [m for m in model.modules() if isinstance(m, cl.AdaptiveLossGradientClip)][0]
+            value = torch.tensor([float(clip.clip_norm)], dtype=torch.float64)
+            gathered = [torch.zeros_like(value) for _ in range(size)]
+            torch.distributed.all_gather(gathered, value)
+            result["clip_norms"] = [float(g) for g in gathered]
+            result["moved"] = float(clip.clip_norm) != 0.5
+        elif scenario == "mismatch":
+            model = _model()
+            try:
+                _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y,
+                         noise_multiplier=1.0 if rank == 0 else 1.5)
+                result["refused"] = ""
+            except BoundError as err:
+                result["refused"] = str(err)
+    finally:
+        Path(out, f"{scenario}-{rank}.json").write_text(json.dumps(result))
+        torch.distributed.destroy_process_group()
+
+
+def _run(scenario: str, size: int = 2) -> list:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(size, f"file://{tmp}/rendezvous", tmp, scenario), nprocs=size, join=True)
+        return [json.loads(Path(tmp, f"{scenario}-{r}.json").read_text()) for r in range(size)]
+
+
+def test_distributed_sum_equals_the_single_process_sum() -> None:
+    """Rank 0's noise (same seed) on the all-reduced sum of the two halves = the one-process release."""
+    results = _run("sum")
+    x, y = _data()
+    model = _model()
+    recorder = _Recorder(model.parameters())
+    single, opt, _ = _private(model, recorder, x, y)
+    opt.zero_grad()
+    cl.TauCrossEntropy(4.0).per_example(single(x[:16]), y[:16]).sum().backward()
+    opt.step()
+    for r in results:
+        for got, want in zip(r["released"], recorder.released):
+            assert torch.allclose(torch.tensor(got), want, atol=1e-6, rtol=1e-5)
+
+
+def test_weights_stay_identical_on_every_rank_and_the_accountant_matches() -> None:
+    results = _run("steps")
+    assert all(r["identical"] for r in results)
+    assert results[0]["epsilon"] == results[1]["epsilon"] > 0 and results[0]["steps"] == 4
+
+
+def test_the_global_sum_gets_the_planned_noise_once() -> None:
+    (rank0, rank1) = _run("noise")
+    # 20 steps x 2410 coordinates of N(0, std^2): the mean square is within a few percent of std^2
+    # (twice the noise, one draw per rank, would give 2)
+    assert rank0["variance_ratio"] == pytest.approx(1.0, abs=0.05)
+    assert rank1["variance_ratio"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_adaptive_clip_count_is_summed_and_noised_once() -> None:
+    """The noisy count is all-reduced and broadcast: every rank moves its clip norm to the same value."""
+    results = _run("adaptive")
+    norms = results[0]["clip_norms"]
+    assert norms[0] == norms[1] and results[0]["moved"]
+
+
+def test_mismatched_ranks_are_refused_on_every_rank() -> None:
+    results = _run("mismatch")
+    assert all("disagree" in r["refused"] and "noise_multiplier" in r["refused"] for r in results)
+
+
+def test_distributed_sampler_is_one_poisson_sample() -> None:
+    n, q, steps = 1001, 0.1, 600
+    samplers = [DistributedPoissonBatchSampler(n, q, r, 2, steps) for r in range(2)]
+    shards = [set(s.shard.tolist()) for s in samplers]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(n))
+    counts = torch.zeros(n)
+    pair = 0  # records 0 (rank 0) and 1 (rank 1) drawn together
+    for b0, b1 in zip(*samplers):
+        batch = set(b0) | set(b1)
+        assert set(b0) <= shards[0] and set(b1) <= shards[1]
+        counts[list(batch)] += 1
+        pair += (0 in batch) and (1 in batch)
+    rate = float(counts.sum()) / (n * steps)
+    assert abs(rate - q) < 4 * math.sqrt(q * (1 - q) / (n * steps))
+    per_record = counts / steps  # every record, on either rank, at rate q
+    assert abs(float(per_record[0::2].mean()) - q) < 0.01 and abs(float(per_record[1::2].mean()) - q) < 0.01
+    assert abs(pair / steps - q * q) < 4 * math.sqrt(q * q / steps) + 0.005  # independent across ranks
+
+
+def test_world_without_a_group() -> None:
+    assert world() == (0, 1)
+    with pytest.raises(ValueError, match="process group"):
+        x, y = _data()
+        model = _model()
+        cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=cl.ArrayDataset(x, y), loss=cl.TauCrossEntropy(4.0), noise_multiplier=1.0,
+                                        input_shape=SHAPE, batch_size=16.0, input_bound=4.0, distributed=True)
+
+
+def test_torchrun_train_matches_the_single_process_run(tmp_path) -> None:
+    common = ["train", "--dataset", "digits", "--epochs", "8", "--no-progress", "--seed", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29533", "-m", "clipless", *common, "--output-dir", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, "-m", "clipless", *common, "--output-dir", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    r2 = json.loads((tmp_path / "two" / "result.json").read_text())
+    r1 = json.loads((tmp_path / "one" / "result.json").read_text())
+    assert r2["processes"] == 2 and r1["processes"] == 1
+    assert r2["epsilon"] == pytest.approx(r1["epsilon"], rel=1e-12) and r2["steps"] == r1["steps"]
+    assert abs(r2["test_accuracy"] - r1["test_accuracy"]) < 0.15
+    assert two.stdout.count("test accuracy") == 1  # rank 0 reports for the run
+    before = (tmp_path / "two" / "checkpoint.pt").read_bytes()
+    resumed = subprocess.run([sys.executable, "-m", "clipless", "train", "--output-dir", str(tmp_path / "two"),
+                              "--resume", "--no-progress"], capture_output=True, text=True, env=env, timeout=600)
+    assert resumed.returncode != 0 and "2 process(es)" in resumed.stderr  # another number of processes: refused
+    assert (tmp_path / "two" / "checkpoint.pt").read_bytes() == before
