@@ -114,6 +114,16 @@ def _worker(rank: int, size: int, init: str, out: str, scenario: str) -> None:
             torch.distributed.all_gather(gathered, value)
             result["clip_norms"] = [float(g) for g in gathered]
             result["moved"] = float(clip.clip_norm) != 0.5
+        elif scenario == "one-process-only":
+            from clipless.contrastive.pretrain import ContrastivePretrainer
+
+            model = _model()
+            try:
+                ContrastivePretrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.ArrayDataset(x, y),
+                                      batch_size=8.0, epochs=1)
+                result["refused"] = ""
+            except ValueError as err:
+                result["refused"] = str(err)
         elif scenario == "mismatch":
             model = _model()
             try:
@@ -174,6 +184,10 @@ def test_mismatched_ranks_are_refused_on_every_rank() -> None:
     assert all("disagree" in r["refused"] and "noise_multiplier" in r["refused"] for r in results)
 
 
+def test_logit_dp_refuses_a_process_group() -> None:
+    assert all("one process" in r["refused"] for r in _run("one-process-only"))
+
+
 def test_distributed_sampler_is_one_poisson_sample() -> None:
     n, q, steps = 1001, 0.1, 600
     samplers = [DistributedPoissonBatchSampler(n, q, r, 2, steps) for r in range(2)]
@@ -203,6 +217,7 @@ def test_world_without_a_group() -> None:
                                         input_shape=SHAPE, batch_size=16.0, input_bound=4.0, distributed=True)
 
 
+@pytest.mark.slow
 def test_torchrun_train_matches_the_single_process_run(tmp_path) -> None:
     common = ["train", "--dataset", "digits", "--epochs", "8", "--no-progress", "--seed", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -157,7 +157,7 @@ def test_pretrainer_and_pairs_default_randomness_differs():
         result = trainer.fit()
         return result, _weights(encoder)
 
-    (r1, w1), (r2, w2) = run(), run()
+    (r1, w1), (_r2, w2) = run(), run()
     assert r1.private and not torch.equal(w1, w2)
     a, b = cl.contrastive.AugmentedPairs(images, padding=2), cl.contrastive.AugmentedPairs(images, padding=2)
     assert not torch.equal(a.gather(list(range(32)))[0], b.gather(list(range(32)))[0])

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
+from ..privacy.distributed import world
 from ..privacy.randomness import make_generator, randomness_label
 from ..privacy.sampling import poisson_data_loader
 from ..train.checkpoint import load_checkpoint, save_checkpoint
@@ -103,6 +104,9 @@ class ContrastivePretrainer:
         checkpoint_path: Optional[Union[str, Path]] = None,
         log_train_stats: bool = False,
     ) -> None:
+        if world()[1] > 1:
+            raise ValueError("Logit-DP / Naive-DP pre-training runs in one process; it does not support a distributed "
+                             "process group (train with clipless.PrivateTrainer for multi-process training)")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if loss not in LOSS_FUNCTIONS:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..data.datasets import load_mnist
 from ..diagnostics.membership import loss_threshold_attack
+from ..privacy.distributed import world
 from . import noisy_gd as klp
 
 
@@ -244,6 +245,8 @@ def format_summary(study: Dict[str, Any]) -> str:
 
 
 def main_kl_study(cfg: KLStudyConfig) -> Dict[str, Any]:
+    if world()[1] > 1:
+        raise ValueError("the KL study runs in one process; it does not support a distributed process group")
     study = run_kl_study(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
