@@ -234,6 +234,11 @@ def test_torchrun_train_matches_the_single_process_run(tmp_path) -> None:
     assert r2["epsilon"] == pytest.approx(r1["epsilon"], rel=1e-12) and r2["steps"] == r1["steps"]
     assert abs(r2["test_accuracy"] - r1["test_accuracy"]) < 0.15
     assert two.stdout.count("test accuracy") == 1  # rank 0 reports for the run
+    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            "29534", "-m", "clipless", "train", "--output-dir", str(tmp_path / "two"), "--resume",
+                            "--no-progress"], capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]  # the same number of processes resumes
+    assert json.loads((tmp_path / "two" / "result.json").read_text())["epsilon"] == pytest.approx(r1["epsilon"])
     before = (tmp_path / "two" / "checkpoint.pt").read_bytes()
     resumed = subprocess.run([sys.executable, "-m", "clipless", "train", "--output-dir", str(tmp_path / "two"),
                               "--resume", "--no-progress"], capture_output=True, text=True, env=env, timeout=600)

@@ -127,6 +127,14 @@ class PrivacyEngine:
                 "noise randomness": "fixed generator" if noise_generator is not None else "os-entropy",
                 "sampling randomness": "fixed generator" if sampling_generator is not None else "os-entropy",
             }, "make_private")
+        wrapped: nn.Module = module
+        if distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # DDP broadcasts rank 0's weights (and buffers, once) before any bound is computed; the private
+            # step sums the gradients itself, after the noise, so DDP's averaging all-reduce is switched off
+            wrapped = DistributedDataParallel(module, forward_sync_buffers=False)
+            wrapped.require_backward_grad_sync = False
         if not (0 < b <= n):
             raise ValueError(f"expected batch size {b} must be in (0, N={n}]")
         if target_delta is not None:
@@ -150,13 +158,6 @@ class PrivacyEngine:
             steps=None if epochs is None else planned_steps(epochs, steps_per_epoch),
             mechanism_sigmas=[clip.count_noise_multiplier for clip in step_mechanisms(module)],
         )
-        wrapped: nn.Module = module
-        if distributed:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # DDP broadcasts rank 0's weights; the private step sums the gradients itself, after the noise
-            wrapped = DistributedDataParallel(module, forward_sync_buffers=False)  # buffers: synced once, at init
-            wrapped.require_backward_grad_sync = False
         dp_optimizer = DPOptimizer(optimizer, engine, plan, expected_batch_size=b, accountant=self.accountant,
                                    generator=noise_generator, distributed=bool(distributed))
         self.guard = InputGuard(module, input_shape, data_bound)
