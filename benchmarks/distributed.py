@@ -103,10 +103,11 @@ def main() -> None:
     print_table(f"{'processes':>9} {'threads':>7} {'step ms':>8} {'steps/s':>8} {'examples/s':>10} {'x 1 process':>11}",
                 [f"{r['processes']:9d} {r['threads_per_process']:7d} {1e3 * r['step_s']:8.1f} {r['steps_per_s']:8.2f} "
                  f"{r['examples_per_s']:10.0f} {r['speedup']:11.2f}" for r in rows])
-    params = sum(p.numel() for p in (__import__("clipless").lipschitz_cnn((1, 28, 28), 10, channels=(16, 32))
-                                     if args.model == "cnn" else
-                                     __import__("clipless").lipschitz_mlp((1, 28, 28), 10, hidden=(256, 256)))
-                 .parameters())
+    import clipless as cl
+
+    model = (cl.lipschitz_cnn((1, 28, 28), 10, channels=(16, 32)) if args.model == "cnn"
+             else cl.lipschitz_mlp((1, 28, 28), 10, hidden=(256, 256)))
+    params = sum(p.numel() for p in model.parameters())
     write_json(args.out, {"config": vars(args), "torch": torch.__version__, "parameters": params,
                           "all_reduce_bytes_per_step": 4 * params, "rows": rows})
 

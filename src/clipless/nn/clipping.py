@@ -102,9 +102,11 @@ class AdaptiveLossGradientClip(PerStepMechanism):
         return LayerBound(lipschitz=1.0, out_bound=x_bound, grad_cap=self.max_norm)
 
     @torch.no_grad()
-    def update_(self, expected_batch_size: float, generator: Optional[torch.Generator] = None) -> float:
+    def update_(self, expected_batch_size: float, generator: Optional[torch.Generator] = None,
+                distributed: bool = False) -> float:
         """Release the noisy count of this step, update ``C``, reset the count; returns the noisy fraction."""
-        fraction = noisy_count(self._below, self.count_noise_multiplier, generator, self.clip_norm.device)
+        fraction = noisy_count(self._below, self.count_noise_multiplier, generator, self.clip_norm.device,
+                               distributed=distributed)
         fraction /= expected_batch_size
         self.clip_norm.mul_(math.exp(-self.learning_rate * (fraction - self.target_quantile)))
         self._below = 0

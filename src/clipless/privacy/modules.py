@@ -110,8 +110,10 @@ class PerStepMechanism(BoundedModule):
 
     count_noise_multiplier: float
 
-    def update_(self, expected_batch_size: float, generator: Optional[torch.Generator] = None) -> float:
-        """Release this step's noisy statistic and reset it."""
+    def update_(self, expected_batch_size: float, generator: Optional[torch.Generator] = None,
+                distributed: bool = False) -> float:
+        """Release this step's noisy statistic and reset it (``distributed``: summed over the ranks and noised
+        once, :func:`~clipless.privacy.noise.noisy_count`)."""
         raise NotImplementedError
 
     @contextlib.contextmanager

@@ -91,17 +91,18 @@ def add_gaussian_noise_(
         param.grad = (grad + std * noise) / expected_batch_size
 
 
-def noisy_count(count: float, std: float, generator: Optional[torch.Generator], device: Any = "cpu") -> float:
+def noisy_count(count: float, std: float, generator: Optional[torch.Generator], device: Any = "cpu",
+                distributed: bool = False) -> float:
     """``count + N(0, std^2)`` in float64: the release of a per-step count of add/remove sensitivity 1.
 
-    In a distributed run the local counts are summed over the ranks, rank 0 draws the one noise and every
-    rank receives the same noisy total (:mod:`clipless.privacy.distributed`).
+    ``distributed``: the local counts are summed over the ranks, rank 0 draws the one noise and every rank
+    receives the same noisy total (:mod:`clipless.privacy.distributed`).
     """
+    if not distributed:
+        return count + std * float(torch.randn((), generator=generator, dtype=torch.float64, device=device))
     from .distributed import all_reduce_sum_, broadcast_value, world
 
-    rank, size = world()
-    if size == 1:
-        return count + std * float(torch.randn((), generator=generator, dtype=torch.float64, device=device))
+    rank, _ = world()
     total = torch.tensor([float(count)], dtype=torch.float64, device=device)
     all_reduce_sum_([total])
     noisy = float(total.item())
