@@ -137,7 +137,10 @@ class DPOptimizer:
         self.original_optimizer.step()
         self.bound_engine.project_()
         for clip in self.step_mechanisms:  # after the step: its noise used the C of this batch's backward
-            clip.update_(self.expected_batch_size, self.generator, distributed=self.world_size > 1)
+            if self.world_size > 1:
+                clip.update_(self.expected_batch_size, self.generator, distributed=True)
+            else:  # the one-process call, as every PerStepMechanism implements it
+                clip.update_(self.expected_batch_size, self.generator)
         self.plan.account_step(self.accountant)
         self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
         return loss
