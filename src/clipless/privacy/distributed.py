@@ -17,11 +17,8 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import Sampler
-
 from .certified import BoundError
-from .randomness import secret_generator
-from .sampling import poisson_mask, poisson_threshold
+from .sampling import PoissonBatchSampler, poisson_mask
 
 __all__ = ["world", "is_distributed", "all_reduce_sum_", "broadcast_value", "check_same_on_all_ranks",
            "DistributedPoissonBatchSampler"]
@@ -74,7 +71,7 @@ def check_same_on_all_ranks(values: Dict[str, Any], what: str = "run") -> None:
                          "configuration, or the epsilon of one is not the epsilon of the others")
 
 
-class DistributedPoissonBatchSampler(Sampler[List[int]]):
+class DistributedPoissonBatchSampler(PoissonBatchSampler):
     """This rank's part of one Poisson(``sample_rate``) sample of all ``num_samples`` records per step.
 
     The rank holds records ``rank, rank + W, rank + 2W, ...`` and includes each with probability
@@ -84,19 +81,11 @@ class DistributedPoissonBatchSampler(Sampler[List[int]]):
 
     def __init__(self, num_samples: int, sample_rate: float, rank: int, world_size: int,
                  steps_per_epoch: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
-        if num_samples <= 0:
-            raise ValueError("dataset is empty")
         if not (0 <= rank < world_size):
             raise ValueError(f"rank {rank} outside a world of {world_size}")
-        self.threshold = poisson_threshold(sample_rate)
-        self.num_samples, self.sample_rate = int(num_samples), float(sample_rate)
+        super().__init__(num_samples, sample_rate, steps_per_epoch, generator)
         self.rank, self.world_size = rank, world_size
         self.shard = torch.arange(rank, num_samples, world_size)
-        self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
-        self.generator = generator if generator is not None else secret_generator()
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps_per_epoch):
