@@ -243,3 +243,16 @@ def test_write_atomically_cleans_up_after_any_failure(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="Read-only file system; the previous file"):
         write_atomically(path, b"new")
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_every_shipped_recipe_is_a_valid_config() -> None:
+    """configs/*.yaml are read and checked by the same schema as the flags (a recipe that does not load is a bug)."""
+    from pathlib import Path
+
+    from clipless.cli import _read_yaml, validate
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert {p.name for p in recipes} >= {"digits.yaml", "mnist.yaml"}
+    for path in recipes:
+        config = validate(_read_yaml(str(path)), f" (in {path})")
+        assert config["epsilon"] > 0 and "dataset" in config

@@ -174,7 +174,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["clipless", "dpsgd", "nonprivate"],
                    help="clipless DP-SGD (default), clipped DP-SGD through Opacus, or non-private training")
     p.add_argument("--max-grad-norm", type=float, help="per-example clipping norm C of dpsgd")
-    p.add_argument("--dataset", help="digits (embedded), mnist, or a .npz/.csv tabular file")
+    p.add_argument("--dataset", help="digits (embedded), mnist (IDX files), cifar10 (its python-version directory), "
+                   "imagefolder (a tree of class folders), or a .npz/.csv tabular file")
     p.add_argument("--data-dir", help="directory holding the dataset files (MNIST IDX .gz, tabular files)")
     p.add_argument("--model", choices=["mlp", "cnn", "vgg", "resnet", "mixer"],
                    help="Lipschitz architecture (mlp, cnn, vgg, resnet, mixer)")
@@ -422,7 +423,7 @@ def _build_clipless(config: Dict[str, Any], data: Any, shape: Tuple[int, ...]) -
     if config["input_clip"] is None:
         if config["features"] == "scattering":
             input_bound = 1.0  # every feature vector has norm exactly 1 (or 0)
-        elif data.name in ("digits", "mnist"):
+        elif data.name in ("digits", "mnist", "cifar10", "imagefolder"):  # pixels in [0, 1]
             input_bound = float(torch.tensor(shape).prod().sqrt())
         else:
             raise SystemExit("tabular data has no fixed norm bound: pass --input-clip C")

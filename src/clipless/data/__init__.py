@@ -9,6 +9,8 @@ from .datasets import (
     input_norms,
     load_dataset,
     load_digits,
+    load_cifar10,
+    load_image_folder,
     load_mnist,
     load_tabular,
     normalize_to_sphere,
@@ -16,4 +18,4 @@ from .datasets import (
     signed_log1p,
 )
 
-__all__ = ["ArrayDataset", "DataSplit", "check_finite", "clip_norm", "convert_colour_space", "input_norms", "load_dataset", "load_digits", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p"]
+__all__ = ["ArrayDataset", "DataSplit", "check_finite", "clip_norm", "convert_colour_space", "input_norms", "load_dataset", "load_digits", "load_cifar10", "load_image_folder", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p"]

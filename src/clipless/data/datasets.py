@@ -24,6 +24,8 @@ __all__ = [
     "DataSplit",
     "load_digits",
     "load_mnist",
+    "load_cifar10",
+    "load_image_folder",
     "load_tabular",
     "load_dataset",
     "clip_norm",
@@ -234,6 +236,121 @@ def load_mnist(data_dir: Union[str, Path]) -> DataSplit:
     return DataSplit(parts[0], parts[1], "mnist")
 
 
+class _ArrayUnpickler:
+    """Unpickles CIFAR-10's "python version" batches allowing only what they hold (dicts, lists, bytes, numpy
+    arrays): a pickle may otherwise run any code, and data directories come from outside."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+               ("numpy._core.multiarray", "scalar"), ("builtins", "bytes"), ("_codecs", "encode")}
+
+    @classmethod
+    def load(cls, path: Path) -> object:
+        import pickle
+
+        class Restricted(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> object:
+                if (module, name) not in cls.ALLOWED:
+                    raise ValueError(f"{path} asks to load {module}.{name}: not a CIFAR-10 batch (refused, a pickle "
+                                     "can run code)")
+                return super().find_class(module, name)
+
+        with open(path, "rb") as fh:
+            try:
+                return Restricted(fh, encoding="bytes").load()
+            except (pickle.UnpicklingError, EOFError) as err:
+                raise ValueError(f"{path} is not a readable CIFAR-10 batch ({err})") from None
+
+
+def _cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path.name} in {path.parent} (CIFAR-10 python version: data_batch_1..5, "
+                                "test_batch)")
+    batch = _ArrayUnpickler.load(path)
+    if not isinstance(batch, dict):
+        raise ValueError(f"{path} does not hold a CIFAR-10 batch (a dict with data and labels)")
+    data = batch.get(b"data", batch.get("data"))
+    labels = batch.get(b"labels", batch.get("labels"))
+    if data is None or labels is None:
+        raise ValueError(f"{path} has no 'data' and 'labels' entries: not a CIFAR-10 batch")
+    data, labels = np.asarray(data), np.asarray(labels)
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.shape != (data.shape[0],):
+        raise ValueError(f"{path} holds data of shape {data.shape} and {labels.shape} labels; CIFAR-10 batches hold "
+                         "N x 3072 bytes and N labels")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"{path} holds labels outside 0-9 (e.g. {int(labels.max())}): damaged or not CIFAR-10")
+    return data.astype(np.float32).reshape(-1, 3, 32, 32) / 255.0, labels.astype(np.int64)
+
+
+def load_cifar10(data_dir: Union[str, Path]) -> DataSplit:
+    """CIFAR-10 from its "python version" directory (``data_batch_1`` ... ``data_batch_5``, ``test_batch``,
+    pickled dicts); pixels in [0, 1], shape (3, 32, 32), the official train/test split."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d} is not a directory holding CIFAR-10's data_batch_1..5 and test_batch")
+    train = [_cifar_batch(d / f"data_batch_{i}") for i in range(1, 6)]
+    test = _cifar_batch(d / "test_batch")
+    x = np.concatenate([b[0] for b in train])
+    y = np.concatenate([b[1] for b in train])
+    return DataSplit(_to_dataset(x, y), _to_dataset(*test), "cifar10")
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".tif", ".tiff", ".webp")
+
+
+def _read_images(root: Path, classes: List[str], mode: str, size: Optional[Tuple[int, int]]
+                 ) -> Tuple[np.ndarray, np.ndarray]:
+    from ..extras import require
+
+    image = require("PIL.Image", "images")
+    xs, ys = [], []
+    for label, name in enumerate(classes):
+        files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        for f in files:
+            try:
+                with image.open(f) as im:
+                    im = im.convert(mode)
+                    if size is not None and im.size != (size[1], size[0]):
+                        im = im.resize((size[1], size[0]))
+                    arr = np.asarray(im, dtype=np.float32) / 255.0
+            except OSError as err:
+                raise ValueError(f"{f} is not a readable image ({err})") from None
+            xs.append(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
+            ys.append(label)
+    if not xs:
+        raise ValueError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {root}")
+    shapes = {x.shape for x in xs}
+    if len(shapes) > 1:
+        raise ValueError(f"the images under {root} have different sizes {sorted(shapes)[:3]}...: give image_size "
+                         "(the CLI resizes nothing on its own)")
+    return np.stack(xs), np.asarray(ys, dtype=np.int64)
+
+
+def load_image_folder(data_dir: Union[str, Path], colour: bool = True, image_size: Optional[Tuple[int, int]] = None,
+                      test_fraction: float = 0.2, seed: int = 0) -> DataSplit:
+    """An ``ImageFolder``-style tree: ``root/<class>/<image>`` (class = folder name, in sorted order), or
+    ``root/train/<class>/...`` and ``root/test/<class>/...`` for a given split (else a stratified split of
+    ``test_fraction``, fixed by ``seed``).  Pixels in [0, 1]; RGB (3 channels) or grayscale (1)."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d} is not a directory of class folders")
+    mode = "RGB" if colour else "L"
+    split = (d / "train").is_dir() and (d / "test").is_dir()
+    top = d / "train" if split else d
+    classes = sorted(p.name for p in top.iterdir() if p.is_dir())
+    if len(classes) < 2:
+        raise ValueError(f"{top} holds {len(classes)} class folder(s); a classification needs at least 2")
+    if split:
+        test_classes = sorted(p.name for p in (d / "test").iterdir() if p.is_dir())
+        if test_classes != classes:
+            raise ValueError(f"{d}/train and {d}/test have different class folders ({classes} vs {test_classes})")
+        (xtr, ytr), (xte, yte) = (_read_images(d / part, classes, mode, image_size) for part in ("train", "test"))
+    else:
+        x, y = _read_images(d, classes, mode, image_size)
+        xtr, xte, ytr, yte = _split(x, y, test_fraction, seed)
+    return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), "imagefolder")
+
+
 def load_tabular(
     path: Union[str, Path],
     test_fraction: float = 0.2,
@@ -291,9 +408,14 @@ def _is_number(text: str) -> bool:
 
 
 def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: int = 0) -> DataSplit:
-    """``digits`` (embedded), ``mnist`` (directory of IDX files) or a path to a tabular file."""
+    """``digits`` (embedded), ``mnist`` (directory of IDX files), ``cifar10`` (its python-version directory),
+    ``imagefolder`` (a tree of class folders) or a path to a tabular file."""
     if name == "digits":
         return load_digits(seed=seed)
+    if name in ("cifar10", "imagefolder"):
+        if data_dir is None:
+            raise ValueError(f"{name} needs --data-dir, the directory holding the images")
+        return load_cifar10(data_dir) if name == "cifar10" else load_image_folder(data_dir, seed=seed)
     if name == "mnist":
         if data_dir is None:
             raise ValueError("MNIST needs --data-dir, a directory holding the IDX .gz files")
@@ -301,6 +423,6 @@ def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: i
     candidate = Path(data_dir, name) if data_dir is not None else Path(name)
     if candidate.suffix in (".npz", ".csv") and candidate.exists():
         return load_tabular(candidate, seed=seed)
-    raise ValueError(f"unknown dataset {name!r}: use 'digits', 'mnist' or a .npz/.csv file" + (
+    raise ValueError(f"unknown dataset {name!r}: use 'digits', 'mnist', 'cifar10', 'imagefolder' or a .npz/.csv file" + (
         f" ({candidate} not found)" if candidate.suffix in (".npz", ".csv") else ""))
 
