@@ -177,12 +177,13 @@ def audit_step(
         g_c = _per_example_gradient(model, loss, cx, cy, params)
     stds = _layer_stds(report, plan)
     layer_of = {id(p): layer.name for layer in report.layers for p in layer.params}
-    weights = [(g if g is not None else torch.zeros_like(p)) / stds[layer_of[id(p)]] ** 2 for g, p in zip(g_c, params)]
-    mu_planned = math.sqrt(sum(float(((g if g is not None else 0 * p).double() ** 2).sum()) / stds[layer_of[id(p)]] ** 2
-                               for g, p in zip(g_c, params)))
+    grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(g_c, params)]
+    weights = [g / stds[layer_of[id(p)]] ** 2 for g, p in zip(grads, params)]
+    # mu^2 = sum_d ||g_d||^2 / std_d^2 = <g, weights>: the planned shift of the whitened score
+    mu_planned = math.sqrt(sum(float((g.double() * w.double()).sum()) for g, w in zip(grads, weights)))
     if mu_planned == 0:
         raise ValueError("the canary's gradient is zero: no step can reveal it (choose another canary)")
-    canary_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in g_c if g is not None))
+    canary_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
     saved = copy.deepcopy(model.state_dict())
     threshold = poisson_threshold(sample_rate) if sample_rate < 1 else None
     scores: Dict[int, List[float]] = {0: [], 1: []}

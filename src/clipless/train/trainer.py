@@ -119,9 +119,8 @@ class PrivateTrainer:
         self.sample_rate = batch_size / n
         self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.privacy_engine = PrivacyEngine(accountant)
-        self.rank, self.world_size = world()
         # every rank samples its own shard: its own stream (rank 0's is the one-process stream)
-        self.sampling_generator = make_generator(noise_seed, stream=1 + 1000 * self.rank)
+        self.sampling_generator = make_generator(noise_seed, stream=1 + 1000 * world()[0])
         self.model, self.optimizer, self.loader = self.privacy_engine.make_private(
             module=model,
             optimizer=optimizer,
@@ -140,11 +139,10 @@ class PrivateTrainer:
             sampling_generator=self.sampling_generator,
             distributed=distributed,
         )
-        self.distributed = self.optimizer.world_size > 1
+        # (0, 1) unless the run is distributed: a trainer kept to one process inside a group writes its own files
+        self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
         # the module itself (the one DistributedDataParallel wraps): evaluation, averaging and checkpoints
         self.module: nn.Module = model
-        if not self.distributed:
-            self.world_size = 1
         if self.rank != 0:  # one process writes and logs for all
             self.log, self.checkpoint_path, self.progress = None, None, False
         plan = self.optimizer.plan
