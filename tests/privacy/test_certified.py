@@ -1,6 +1,6 @@
 """The fast certificates (issue 16) stay upper bounds under attack: the near-orthonormal shortcut of
 ``certified_spectral_norm``, the half-spectrum FFT bound of convolutions, the cheap Björck pre-check,
-the fused MaxMin / L2-norm pooling, and the value cache under in-place edits."""
+the certified Björck step, the fused MaxMin / L2-norm pooling, and the value cache under in-place edits."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from clipless.nn.conv import LipschitzConv2d
 from clipless.nn.functional import bjorck_orthonormalize, l2_norm_pool2d, max_min
 from clipless.nn.linear import LipschitzLinear
-from clipless.privacy.certified import certified_spectral_norm
+from clipless.privacy.certified import BoundError, certified_bjorck_step, certified_spectral_norm
 
 
 def _true_norm(w: torch.Tensor) -> float:
@@ -105,11 +105,99 @@ def test_half_spectrum_fft_bound_is_the_exact_operator_norm(cin, cout, k, n, pad
 
 def test_bjorck_precheck_rescales_only_large_weights() -> None:
     w = _orthonormal(20, 30, 1) * 3.0  # top singular value 3 > 1.5: rescaled, then orthonormalized
-    q = bjorck_orthonormalize(w)
+    q, bound = bjorck_orthonormalize(w)
     assert torch.allclose(q @ q.T, torch.eye(20), atol=1e-4)
+    assert _true_norm(q) <= bound <= 1 + 1e-4
     near = _orthonormal(20, 30, 2) * 1.01
-    q = bjorck_orthonormalize(near)
+    q, bound = bjorck_orthonormalize(near)
     assert torch.allclose(q @ q.T, torch.eye(20), atol=1e-4)
+    assert _true_norm(q) <= bound <= 1 + 1e-4
+
+
+def _with_singular_values(rows: int, cols: int, values: torch.Tensor, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(rows, rows, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, rows, generator=g, dtype=torch.float64))
+    return ((u * values.double()) @ v.T).to(dtype)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 48), extra=st.integers(0, 40), seed=st.integers(0, 10_000),
+       spread=st.sampled_from(["edge", "uniform", "near_one", "above"]), double=st.booleans())
+def test_certified_bjorck_step_bounds_the_true_norm(rows, extra, seed, spread, double) -> None:
+    """The step's certificate (1 + rounding terms, no eigensolver) against the float64 SVD of the step's actual
+    float output.  Adversarial spectra: singular values at 1 and at 2, where ``|f(s)| = 1`` exactly and any
+    rounding pushes the norm above 1; spread over (0, 2]; within 1e-3 of 1 (the warm-started case); above 2,
+    where the premise fails and the eigensolver must take over (``|f(2.2)| = 2.02``)."""
+    cols = rows + extra
+    g = torch.Generator().manual_seed(seed)
+    if spread == "edge":
+        values = torch.where(torch.rand(rows, generator=g) < 0.5, 1.0, 2.0)
+    elif spread == "uniform":
+        values = 2.0 * torch.rand(rows, generator=g)
+    elif spread == "near_one":
+        values = 1 + 1e-3 * (2 * torch.rand(rows, generator=g) - 1)
+    else:
+        values = 2.0 + 0.5 * torch.rand(rows, generator=g)
+    w = _with_singular_values(rows, cols, values, seed, torch.float64 if double else torch.float32)
+    result, bound = certified_bjorck_step(w)
+    assert result.dtype == w.dtype and result.shape == w.shape
+    assert bound >= _true_norm(result)
+    if spread != "above":
+        assert bound <= 1 + 1e-3  # the rounding terms are small: no eigensolver was needed to be this tight
+
+
+def test_certified_bjorck_step_is_not_vacuous() -> None:
+    """Without its rounding terms the certificate would be 1, and the float32 step's true norm does exceed 1
+    on these inputs: the rounding terms are what the test above checks."""
+    exceed = []
+    for seed in range(20):
+        w = _with_singular_values(32, 64, torch.ones(32), seed)
+        result, bound = certified_bjorck_step(w)
+        exceed.append(_true_norm(result) > 1.0)
+        assert bound >= _true_norm(result)
+    assert any(exceed)
+
+
+def test_certified_bjorck_step_falls_back_without_ieee_float32_products() -> None:
+    """TF32 / bfloat16 matmul internals void the float32 rounding model: the exact eigensolver bound is used."""
+    w = _with_singular_values(16, 24, torch.full((16,), 1.0005), 3)
+    _, fast = certified_bjorck_step(w)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        result, slow = certified_bjorck_step(w)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert slow == certified_spectral_norm(result)
+    assert fast >= _true_norm(result) and slow >= _true_norm(result)
+
+
+def test_certified_bjorck_step_refuses_non_finite_weights() -> None:
+    w = _orthonormal(8, 12, 0)
+    w[3, 5] = float("nan")
+    with pytest.raises(BoundError, match="NaN or infinite"):
+        certified_bjorck_step(w)
+    w[3, 5] = float("inf")
+    with pytest.raises(BoundError, match="NaN or infinite"):
+        bjorck_orthonormalize(w)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), seed=st.integers(0, 10_000),
+       scale=st.floats(0.05, 5.0), steps=st.integers(1, 4))
+def test_projected_linear_layer_certifies_every_adam_step(rows, cols, seed, scale, steps) -> None:
+    """A LipschitzLinear trained by Adam on adversarially scaled gradients: after every projection the bound the
+    layer reports (the Björck certificate, cached) is at least the true norm of the weights it will use."""
+    torch.manual_seed(seed)
+    layer = LipschitzLinear(cols, rows)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.05 * scale)
+    for _ in range(steps):
+        opt.zero_grad()
+        layer(torch.randn(7, cols) * scale).pow(3).sum().backward()
+        opt.step()
+        layer.project_()
+        assert layer.layer_bound(1.0, (cols,)).lipschitz >= _true_norm(layer.weight)
 
 
 def _reference_max_min(grouped: torch.Tensor, dim: int) -> torch.Tensor:
@@ -153,3 +241,35 @@ def test_spectral_rescale_keeps_a_certified_bound_for_the_stored_weight(rows, co
     assert layer.layer_bound(1.0, (cols,)).lipschitz == cached
     if before > 1.0:
         assert cached <= 1.0 + 1e-5
+
+
+@pytest.mark.parametrize("make", [lambda: LipschitzLinear(24, 12),
+                                  lambda: LipschitzConv2d(3, 4, 3, operator_norm="fft")])
+def test_checkpointed_certificates_are_kept_exactly_but_never_trusted_below_a_fresh_one(make) -> None:
+    """A layer's certificate travels in its state_dict (a resumed run then draws the very same noise); a claim
+    below what the loaded weights certify (tampered, or from other weights) is replaced by the fresh value."""
+    torch.manual_seed(0)
+    layer = make()
+    shape = (24,) if isinstance(layer, LipschitzLinear) else (3, 8, 8)
+    layer(torch.randn(2, *shape))
+    with torch.no_grad():
+        layer.weight.add_(0.01 * torch.randn_like(layer.weight))
+    layer.project_()
+    genuine = layer.layer_bound(1.0, shape).lipschitz
+    state = layer.state_dict()
+    assert state["_extra_state"]["weight_bound"]["value"] == genuine
+
+    restored = make()
+    restored.load_state_dict(state)
+    assert restored.layer_bound(1.0, shape).lipschitz == genuine  # kept bit for bit
+
+    fresh = make()
+    fresh.load_state_dict({k: v for k, v in state.items() if k != "_extra_state"}, strict=False)
+    recomputed = fresh.layer_bound(1.0, shape).lipschitz
+    for claim in (0.5, float("nan"), -1.0):
+        tampered = dict(state, _extra_state={"weight_bound": dict(state["_extra_state"]["weight_bound"], value=claim)})
+        victim = make()
+        victim.load_state_dict(tampered)
+        assert victim.layer_bound(1.0, shape).lipschitz == recomputed
+    if isinstance(layer, LipschitzLinear):
+        assert recomputed >= _true_norm(layer.weight)

@@ -163,10 +163,20 @@ class LipschitzConv2d(BoundedModule):
         cached = self._norm_cache.get(self.weight, key)
         if cached is not None:
             return cached
+        return self._norm_cache.put(self.weight, key, self._fresh_lipschitz(key))
+
+    def _fresh_lipschitz(self, key: Tuple[str, Tuple[int, int]]) -> float:
+        operator_norm, in_shape = key
         value = math.sqrt(self.overlap_for(in_shape)) * certified_spectral_norm(self._kernel_matrix())
-        if self.operator_norm == "fft":
+        if operator_norm == "fft":
             value = min(value, self.fft_operator_norm(in_shape))
-        return self._norm_cache.put(self.weight, key, value)
+        return value
+
+    def get_extra_state(self) -> dict:
+        return {"weight_bound": self._norm_cache.state(self.weight)}
+
+    def set_extra_state(self, state: dict) -> None:
+        self._norm_cache.restore(self.weight, state.get("weight_bound", {}), self._fresh_lipschitz)
 
     @torch.no_grad()
     def project_(self) -> None:

@@ -62,11 +62,20 @@ class LipschitzLinear(BoundedModule):
     @torch.no_grad()
     def project_(self) -> None:
         if self.projection == "bjorck":
-            self.weight.copy_(bjorck_orthonormalize(self.weight, self.bjorck_iters))
+            weight, bound = bjorck_orthonormalize(self.weight, self.bjorck_iters)
+            self.weight.copy_(weight)
+            self._norm_cache.put(self.weight, None, bound)
         else:
             rescale_to_unit_ball_(self.weight, self._norm_cache)
         if self.bias is not None:
             clip_norm_(self.bias, self.bias_bound)
+
+    def get_extra_state(self) -> dict:
+        return {"weight_bound": self._norm_cache.state(self.weight)}
+
+    def set_extra_state(self, state: dict) -> None:
+        self._norm_cache.restore(self.weight, state.get("weight_bound", {}),
+                                 lambda key: certified_spectral_norm(self.weight))
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
         lip = self._norm_cache.get(self.weight, None)

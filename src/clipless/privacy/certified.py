@@ -8,11 +8,12 @@ in :mod:`clipless.diagnostics.robustness`.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["CERT_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm", "CertifiedValueCache"]
+__all__ = ["CERT_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm", "bjorck_residual",
+           "certified_bjorck_step",            "CertifiedValueCache"]
 
 # Relative safety margin applied to norms computed in float64 from float32
 # weights: float64 SVD is backward-stable to ~1e-15 relative, so 1e-9 is a
@@ -59,6 +60,86 @@ def certified_norm(tensor: torch.Tensor) -> float:
     return value * CERT_MARGIN
 
 
+def _gamma(k: int, unit_roundoff: float) -> float:
+    """Higham's ``gamma_k = k u / (1 - k u)``: the relative error bound of a length-``k`` dot product in any order."""
+    ku = k * unit_roundoff
+    if ku >= 0.5:
+        raise BoundError(f"a dot product of length {k} is too long for a rounding bound at u = {unit_roundoff}")
+    return ku / (1.0 - ku)
+
+
+def _ieee_matmul(device: torch.device) -> bool:
+    """Whether float32 matrix products on ``device`` are IEEE float32 (no TF32 or bfloat16 internals)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    if device.type == "cuda":
+        backend = torch.backends.cuda.matmul
+        if getattr(backend, "allow_tf32", False):
+            return False
+    elif device.type == "cpu":
+        backend = getattr(torch.backends.mkldnn, "matmul", None)
+    else:
+        return False
+    return getattr(backend, "fp32_precision", "none") in ("none", "ieee")
+
+
+@torch.no_grad()
+def bjorck_residual(matrix: torch.Tensor) -> torch.Tensor:
+    """``W W^T - I`` in float64 (exact products for float32 weights), the input of ``certified_bjorck_step``."""
+    if matrix.dim() != 2:
+        raise ValueError(f"expected a matrix, got shape {tuple(matrix.shape)}")
+    a = matrix.detach().to(torch.float64)
+    residual = a @ a.T
+    residual.diagonal().sub_(1.0)
+    return residual
+
+
+@torch.no_grad()
+def certified_bjorck_step(matrix: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, float]:
+    """One Björck step ``W' = W - (W W^T - I) W / 2`` and a certified upper bound on ``||W'||_2``.
+
+    In exact arithmetic the singular values of ``W'`` are ``f(s) = 1.5 s - 0.5 s^3`` of those of ``W``, and
+    ``|f(s)| <= 1`` for ``0 <= s <= 2``.  ``W W^T - I`` is formed in float64 (float32 products are exact
+    there), so the bound is ``1`` plus Higham's worst-case rounding terms, each a Frobenius norm:
+    ``||W'||_2 <= 1 + ||dR||_F ||W||_2 / 2 + gamma_n ||R||_F ||W||_F / 2 + gamma_2 (||W||_F + ||T||_F / 2)``
+    (``dR`` the error of the residual used, ``T = R W``), plus an absolute term for underflow.  This costs
+    ``O(nm)`` beyond the step; where the premise ``||W||_2 <= 2`` cannot be shown, or the matrix product is
+    not IEEE (TF32, bfloat16 internals, other dtypes), the bound is ``certified_spectral_norm(W')``.
+    Rows of ``matrix`` are orthonormalized: pass the wide orientation (rows <= columns) for the small Gram.
+    ``residual``: ``bjorck_residual(matrix)`` of this very matrix, where the caller has computed it already.
+    """
+    if residual is None:
+        residual = bjorck_residual(matrix)
+    w = matrix.detach()
+    n, m = w.shape
+    if residual.shape != (n, n) or residual.dtype != torch.float64:
+        raise ValueError("residual must be bjorck_residual(matrix)")
+    r_norm = torch.linalg.vector_norm(residual).item()
+    if not math.isfinite(r_norm):  # a NaN or infinite weight reaches every residual entry of its row
+        raise BoundError("weight matrix contains NaN or infinite values")
+    t = residual.to(w.dtype) @ w
+    result = torch.add(w, t, alpha=-0.5)
+    if w.dtype not in (torch.float32, torch.float64) or not _ieee_matmul(w.device):
+        return result, certified_spectral_norm(result)
+    u64 = torch.finfo(torch.float64).eps / 2
+    u = torch.finfo(w.dtype).eps / 2
+    # ||W||_F^2 = trace(W W^T) = trace(R) + n, up to the Gram's rounding (no second pass over W)
+    w_norm = math.sqrt(max(float(residual.diagonal().sum()) + n, 0.0) * (1 + _gamma(m + n + 2, u64)))
+    tiny = 2.0 ** -120 * (1.0 + w_norm) * (n + m) * math.sqrt(n * m)  # underflow (subnormals or flush-to-zero)
+    gram_error = _gamma(m + 1, u64) * w_norm**2  # |G~ - W W^T| <= gamma |W||W^T| entrywise
+    # the residual used: float64 subtraction of I, then rounding to the weight's dtype
+    residual_error = gram_error + (u64 + u) * r_norm + tiny
+    squared_top = 1.0 + r_norm + gram_error + u64 * r_norm + tiny  # lambda_max(W W^T) <= 1 + ||R||_2
+    if squared_top > 4.0 * (1 - 1e-6):
+        return result, certified_spectral_norm(result)
+    used_norm = (1.0 + u) * r_norm + tiny  # ||R used||_F: R64 rounded to the weight's dtype
+    product_error = _gamma(n, u) * used_norm * w_norm + tiny  # |fl(R W) - R W| <= gamma_n |R||W|
+    t_norm = used_norm * math.sqrt(squared_top) + product_error  # ||fl(R W)||_F
+    add_error = _gamma(2, u) * (w_norm + 0.5 * t_norm) + tiny  # the one rounding of W - T / 2
+    slack = 0.5 * residual_error * math.sqrt(squared_top) + 0.5 * product_error + add_error
+    return result, (1.0 + slack) * CERT_MARGIN
+
+
 class CertifiedValueCache:
     """A certified value remembered for one exact tensor and key.
 
@@ -80,5 +161,24 @@ class CertifiedValueCache:
     def put(self, tensor: torch.Tensor, key: Any, value: float) -> float:
         self._tensor, self._key, self._value = tensor.detach().clone(), key, float(value)
         return self._value
+
+    def state(self, tensor: torch.Tensor) -> Dict[str, Any]:
+        """The certificate held for ``tensor`` as it is now, for a checkpoint (``{}`` when none is held)."""
+        if self.get(tensor, self._key) is None:
+            return {}
+        return {"key": self._key, "value": self._value}
+
+    def restore(self, tensor: torch.Tensor, state: Dict[str, Any], certify: Callable[[Any], float]) -> None:
+        """Put back a checkpoint's certificate, never below ``certify(key)`` (recomputed from ``tensor`` alone).
+
+        A stored value is an untrusted claim: one below the fresh certificate (tampered, or from other
+        weights) is replaced by it; a genuine one (at least as large, e.g. the Björck step's certificate) is
+        kept exactly, so a resumed run adds the same noise as the uninterrupted run, bit for bit.
+        """
+        if not state:
+            return
+        key, value = state["key"], float(state["value"])
+        fresh = certify(key)
+        self.put(tensor, key, value if value >= fresh else fresh)  # ">=": a NaN claim is replaced too
 
 

@@ -88,7 +88,7 @@ def add_gaussian_noise_(
             param.grad = grad / expected_batch_size
             continue
         noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
-        param.grad = (grad + std * noise) / expected_batch_size
+        param.grad = noise.mul_(std).add_(grad).div_(expected_batch_size)  # (grad + std noise) / b, in place
 
 
 def noisy_count(count: float, std: float, generator: Optional[torch.Generator], device: Any = "cpu",
