@@ -75,7 +75,7 @@ class LipschitzLinear(BoundedModule):
 
     def set_extra_state(self, state: dict) -> None:
         self._norm_cache.restore(self.weight, state.get("weight_bound", {}),
-                                 lambda key: certified_spectral_norm(self.weight))
+                                 lambda key: certified_spectral_norm(self.weight, shortcut=False))
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
         lip = self._norm_cache.get(self.weight, None)
