@@ -1,5 +1,6 @@
 """Datasets (embedded digits, MNIST IDX files, tabular files) and fixed feature maps; nothing is downloaded."""
 
+from .augment import ImageAugmentation
 from .datasets import (
     ArrayDataset,
     DataSplit,
@@ -18,4 +19,4 @@ from .datasets import (
     signed_log1p,
 )
 
-__all__ = ["ArrayDataset", "DataSplit", "check_finite", "clip_norm", "convert_colour_space", "input_norms", "load_dataset", "load_digits", "load_cifar10", "load_image_folder", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p"]
+__all__ = ["ArrayDataset", "ImageAugmentation", "DataSplit", "check_finite", "clip_norm", "convert_colour_space", "input_norms", "load_dataset", "load_digits", "load_cifar10", "load_image_folder", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p"]

@@ -178,10 +178,14 @@ class StepGuard:
     """Follows the private model's forwards to their backward; :meth:`check_step` refuses slips (module doc)."""
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], params: Sequence[torch.Tensor],
-                 loss: Any, loss_lipschitz: Callable[[], float]) -> None:
+                 loss: Any, loss_lipschitz: Callable[[], float], rows_per_example: int = 1) -> None:
         """``layers``/``params``: the model's bounded layers and their parameters; ``loss_lipschitz()``: the
-        ``L`` of the bounds (every clipless loss applied must declare at most that; ``loss`` names it)."""
+        ``L`` of the bounds (every clipless loss applied must declare at most that; ``loss`` names it).
+        ``rows_per_example`` ``K``: each example enters the forward as up to ``K`` rows (augmentation
+        multiplicity), so each row's loss may weigh at most ``1/K``: whatever rows belong to one example,
+        their weights sum to at most 1 and the example's gradient stays within the per-example bound."""
         self.params = list(params)
+        self.rows_per_example = int(rows_per_example)
         self.loss_name = type(loss).__name__ if loss is not None else "loss"
         self.loss_lipschitz = loss_lipschitz
         self.epoch = 0  # private steps released
@@ -246,7 +250,19 @@ class StepGuard:
         if weights.numel() == 0:
             return
         largest = float(weights.abs().max())
-        if largest > 1 + 1e-6:
+        k = self.rows_per_example
+        if k > 1:  # augmentation multiplicity: rows of one example share the weight 1
+            if largest > (1 + 1e-6) / k:
+                self._problem(f"a per-example loss entered the backward with weight {largest:.4g} > 1/K = {1 / k:.4g} "
+                              f"(augmentation multiplicity K = {k}): the K rows of an example would together exceed "
+                              "the certified bound; backpropagate the mean over the K rows of each example, summed "
+                              "over the examples")
+            elif largest < (1 - 1e-6) / k and not self._warned_scale:
+                self._warned_scale = True
+                warnings.warn(f"the per-example losses enter the backward with weight at most {largest:.4g} < 1/K: "
+                              "this wastes privacy budget; backpropagate the mean over each example's K rows, summed",
+                              stacklevel=2)
+        elif largest > 1 + 1e-6:
             self._problem(f"a per-example loss entered the backward with weight {largest:.4g} > 1: its gradient would "
                           "exceed the certified bound; backpropagate loss.per_example(model(x), y).sum(), unscaled")
         elif largest < 1 - 1e-6 and not self._warned_scale:

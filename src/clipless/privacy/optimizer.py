@@ -35,6 +35,8 @@ class DPOptimizer:
     The noise comes from ``plan`` (:func:`~clipless.privacy.calibration.plan_noise`, the one noise plan); the
     step refuses to run past ``plan.max_steps`` (the target epsilon) and refuses a gradient on any
     parameter its bounds do not cover.  Without ``generator`` the noise is drawn from OS entropy.
+    ``augmentation_multiplicity`` ``K``: the backward may carry ``K`` augmented rows per example, each loss
+    weighted ``1/K`` (the mean of an example's ``K`` gradients is within the same per-example bound).
     """
 
     def __init__(
@@ -46,7 +48,10 @@ class DPOptimizer:
         accountant: PrivacyAccountant,
         generator: Optional[torch.Generator] = None,
         distributed: bool = False,
+        augmentation_multiplicity: int = 1,
     ) -> None:
+        if not (isinstance(augmentation_multiplicity, int) and augmentation_multiplicity >= 1):
+            raise ValueError(f"augmentation_multiplicity must be an integer >= 1, got {augmentation_multiplicity!r}")
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
                              f"{accountant.mechanism!r}")
@@ -68,6 +73,10 @@ class DPOptimizer:
         if tuple(sorted(counts)) != tuple(sorted(plan.mechanism_sigmas)):
             raise ValueError(f"the noise plan accounts per-step mechanisms {list(plan.mechanism_sigmas)} but the "
                              f"model releases counts with multipliers {list(counts)}")
+        if augmentation_multiplicity > 1 and self.step_mechanisms:
+            raise ValueError("augmentation multiplicity > 1 with adaptive clipping: the per-step count would count "
+                             "each example up to K times (sensitivity K, not 1); use a fixed LossGradientClip")
+        self.augmentation_multiplicity = augmentation_multiplicity
         self._bounded = {id(p) for layer in report.layers for p in layer.params}
         self._check_covered()
         self.generator = generator if generator is not None else secret_generator(
@@ -77,7 +86,8 @@ class DPOptimizer:
         bound_engine.project_()  # start from feasible weights
         self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
                                [p for layer in report.layers for p in layer.params],
-                               bound_engine.loss, lambda: bound_engine.loss_lipschitz)
+                               bound_engine.loss, lambda: bound_engine.loss_lipschitz,
+                               rows_per_example=augmentation_multiplicity)
 
     # Read-only views of the plan (one meaning each, see clipless.privacy.calibration).
     @property

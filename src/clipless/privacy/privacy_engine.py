@@ -88,6 +88,7 @@ class PrivacyEngine:
         noise_generator: Optional[torch.Generator] = None,
         sampling_generator: Optional[torch.Generator] = None,
         distributed: Optional[bool] = None,
+        augmentation_multiplicity: int = 1,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(module, dp_optimizer, poisson_loader)``.
 
@@ -105,6 +106,10 @@ class PrivacyEngine:
         as everywhere (:mod:`clipless.privacy.calibration`).  With ``target_epsilon``
         (and ``target_delta``) the optimizer refuses any step past the budget; without
         ``noise_multiplier`` sigma is calibrated so ``epochs`` epochs fit it.
+        ``augmentation_multiplicity`` ``K`` (augmult): each example of a batch may enter the forward as ``K``
+        augmented rows; backpropagate the mean of its ``K`` per-row losses, summed over the examples
+        (``per_example.view(K, -1).mean(0).sum()`` for ``K`` stacked copies of the batch).  The per-example
+        bound, the noise and the accounting are unchanged: the mean of ``K`` gradients within the bound is.
         """
         if not isinstance(loss, LipschitzLoss):
             raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
@@ -126,6 +131,7 @@ class PrivacyEngine:
                 "parameters": [tuple(p.shape) for p in module.parameters()],
                 "noise randomness": "fixed generator" if noise_generator is not None else "os-entropy",
                 "sampling randomness": "fixed generator" if sampling_generator is not None else "os-entropy",
+                "augmentation_multiplicity": augmentation_multiplicity,
             }, "make_private")
         wrapped: nn.Module = module
         if distributed:
@@ -159,7 +165,8 @@ class PrivacyEngine:
             mechanism_sigmas=[clip.count_noise_multiplier for clip in step_mechanisms(module)],
         )
         dp_optimizer = DPOptimizer(optimizer, engine, plan, expected_batch_size=b, accountant=self.accountant,
-                                   generator=noise_generator, distributed=bool(distributed))
+                                   generator=noise_generator, distributed=bool(distributed),
+                                   augmentation_multiplicity=augmentation_multiplicity)
         self.guard = InputGuard(module, input_shape, data_bound)
         if distributed:
             sampler = DistributedPoissonBatchSampler(n, sample_rate, rank, world_size, steps_per_epoch,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..data.augment import ImageAugmentation
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_delta
 from ..privacy.modules import BoundedModule, LipschitzLoss
@@ -101,6 +102,8 @@ class PrivateTrainer:
         tightness_monitor: Optional[TightnessMonitor] = None,
         log_train_stats: bool = False,
         distributed: Optional[bool] = None,
+        augmentation_multiplicity: int = 1,
+        augment: Optional[Callable[[torch.Tensor, Optional[torch.Generator]], torch.Tensor]] = None,
     ) -> None:
         if target_epsilon is None and noise_multiplier is None:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
@@ -138,7 +141,18 @@ class PrivateTrainer:
             noise_generator=make_generator(noise_seed, next(model.parameters()).device, stream=2),
             sampling_generator=self.sampling_generator,
             distributed=distributed,
+            augmentation_multiplicity=augmentation_multiplicity,
         )
+        # Augmentation multiplicity: K augmented rows per example, each loss weighted 1/K (make_private).
+        self.augmentation_multiplicity = augmentation_multiplicity
+        if augmentation_multiplicity > 1 and augment is None:
+            if len(tuple(input_shape)) != 3:
+                raise ValueError(f"augmentation multiplicity needs an augment function for inputs of shape "
+                                 f"{tuple(input_shape)} (the default, ImageAugmentation, shifts (C, H, W) images)")
+            augment = ImageAugmentation()
+        self.augment = augment
+        self.augment_generator = (make_generator(noise_seed, stream=3 + 1000 * world()[0])
+                                  if augment is not None else None)
         # (0, 1) unless the run is distributed: a trainer kept to one process inside a group writes its own files
         self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
         # the module itself (the one DistributedDataParallel wraps): evaluation, averaging and checkpoints
@@ -198,8 +212,13 @@ class PrivateTrainer:
                 break
             x, y = x.to(self.device), y.to(self.device)
             self.optimizer.zero_grad()
+            k = self.augmentation_multiplicity
+            if self.augment is not None:  # K stacked augmented copies of the batch (k-major rows)
+                x = torch.cat([self.augment(x, self.augment_generator) for _ in range(k)])
+                y = y.repeat(k)
             logits = self.model(x)
-            per_example = self.loss.per_example(logits, y)
+            per_row = self.loss.per_example(logits, y)
+            per_example = per_row.view(k, -1).mean(0) if k > 1 else per_row
             per_example.sum().backward()
             monitor = self.tightness_monitor
             if monitor is not None and monitor.due(self.steps):
@@ -211,7 +230,7 @@ class PrivateTrainer:
             self.steps += 1
             if self.log_train_stats:  # otherwise nothing of the batch is read back: no work, nothing to leak
                 with torch.no_grad():
-                    loss_sum += float(per_example.sum())
+                    loss_sum += float(per_row.sum())
                     correct += int((predictions(logits) == y).sum())
                     seen += int(y.shape[0])
             if bar is not None:
@@ -303,6 +322,7 @@ class PrivateTrainer:
             "optimizer": self.optimizer.state_dict(),
             "accountant": self.accountant.state_dict(),
             "sampling_generator": self.sampling_generator.get_state(),
+            "augment_generator": self.augment_generator.get_state() if self.augment_generator is not None else None,
             "steps": self.steps,
             "epoch": self.epoch,
             "history": self.history,
@@ -359,6 +379,8 @@ class PrivateTrainer:
             raise ValueError("checkpoint accountant history does not match its step count")
         if self.rank == 0:  # the other ranks' streams were not saved: they continue from OS entropy (or their seed)
             self.sampling_generator.set_state(state["sampling_generator"])
+            if self.augment_generator is not None and state.get("augment_generator") is not None:
+                self.augment_generator.set_state(state["augment_generator"])
         self.steps, self.epoch = state["steps"], state["epoch"]
         self.history = list(state.get("history", []))
         self._wall = state.get("wall_time_s", 0.0)
