@@ -51,6 +51,9 @@ def _train(out, *extra):
     (["--hidden", "0"], "--hidden: each width must be > 0"),
     (["--delta", "1"], "--delta: must be < 1"),
     (["--adaptive-clip-quantile", "1.5"], "--adaptive-clip-quantile: must be < 1"),
+    (["--augmult", "0"], "--augmult: must be >= 1"),
+    (["--augmult", "2", "--augment-shift", "-1"], "--augment-shift: must be >= 0"),
+    (["--augmult", "2", "--method", "dpsgd"], "--augmult is an option of clipless training"),
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"

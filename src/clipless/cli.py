@@ -41,6 +41,9 @@ DEFAULTS: Dict[str, Any] = {
     "lr": 0.01,
     "seed": 0,
     "noise_seed": None,
+    "augmult": 1,
+    "augment_shift": 2,
+    "augment_flip": False,
     "log_train_stats": False,
     "output_dir": "runs/latest",
     "resume": False,
@@ -139,6 +142,9 @@ SCHEMA: Dict[str, Any] = {
     "lr": _number(float, 0),
     "seed": _number(int),
     "noise_seed": _number(int, optional=True),
+    "augmult": _number(int, 1, low_open=False),
+    "augment_shift": _number(int, 0, low_open=False),
+    "augment_flip": _flag,
     "log_train_stats": _flag,
     "output_dir": _text(),
     "resume": _flag,
@@ -207,6 +213,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, help=SEED_HELP)
     p.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP)
+    p.add_argument("--augmult", type=int, help="augmentation multiplicity K: each example's gradient is the mean over "
+                   "K random shifts (and flips) of it; the per-example bound, noise and epsilon are unchanged")
+    p.add_argument("--augment-shift", type=int, help="largest random translation in pixels, zero-filled (with --augmult)")
+    p.add_argument("--augment-flip", action="store_true", default=None,
+                   help="also random horizontal flips (natural images, not digits; with --augmult)")
     p.add_argument("--log-train-stats", action="store_true", default=None, help=TRAIN_STATS_HELP)
 
 
@@ -218,6 +229,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--output-dir", help="where result.json and checkpoint.pt go")
     train.add_argument("--resume", action="store_true", default=None, help="resume from output-dir/checkpoint.pt")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+    export = sub.add_parser("export", help="a finished (or checkpointed) run's model as a torch.export program of "
+                            "standard torch layers, loadable without clipless; checks it against the model on the "
+                            "test split")
+    export.add_argument("--output-dir", default=DEFAULTS["output_dir"], help="the run's directory (its checkpoint.pt)")
+    export.add_argument("--out", help="file to write (default: output-dir/model.pt2; torch.export.load reads it)")
+    export.add_argument("--inputs-within-bound", action="store_true",
+                        help="drop the model's input clip (deployment inputs have norm <= its bound)")
 
     audit = sub.add_parser("audit", help="empirical privacy audit of a clipless run: an epsilon lower bound at a stated "
                            "confidence next to the claimed epsilon; writes audit.json and audit.png")
@@ -453,13 +472,28 @@ def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, trai
         progress=bool(config["progress"]),
         checkpoint_path=checkpoint,
         log_train_stats=bool(config["log_train_stats"]),
+        augmentation_multiplicity=config["augmult"],
+        augment=_augmentation(config, shape),
     )
+
+
+def _augmentation(config: Dict[str, Any], shape: Tuple[int, ...]) -> Any:
+    if config["augmult"] == 1:
+        return None
+    if len(shape) != 3:
+        raise SystemExit(f"--augmult shifts images, but the model's inputs have shape {tuple(shape)} "
+                         f"(--features {config['features']}): use --features none")
+    from .data.augment import ImageAugmentation
+
+    return ImageAugmentation(config["augment_shift"], config["augment_flip"])
 
 
 def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     if config["method"] != "clipless" and torch.distributed.is_initialized():
         raise SystemExit(f"--method {config['method']}: the baselines run in one process; only clipless training is "
                          "distributed")
+    if config["method"] != "clipless" and config["augmult"] > 1:
+        raise SystemExit(f"--augmult is an option of clipless training, not of --method {config['method']}")
     data, shape, seed = _prepare_data(config)
     if config["method"] != "clipless":
         return run_baseline(config, data, seed)
@@ -478,6 +512,44 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     result.update({"dataset": data.name, "config": config, "sampling": "poisson (add/remove neighbours)",
                    "processes": trainer.world_size})
     return _write_result(out_dir, result) if trainer.rank == 0 else result
+
+
+def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -> Dict[str, Any]:
+    """Rebuild the run's model from its checkpoint (the projected average when the run averaged iterates),
+    export it to standard layers, compare both on the test split, and write its ``torch.export`` program
+    (batch size free) atomically."""
+    import io
+
+    from .nn.export import export
+    from .train.checkpoint import load_checkpoint, write_atomically
+
+    state = load_checkpoint(out_dir / "checkpoint.pt")
+    saved = state.get("run_config")
+    if not saved:
+        raise SystemExit(f"clipless export: {out_dir / 'checkpoint.pt'} records no run configuration; export the model "
+                         "in Python with clipless.export(model, input_shape)")
+    config = validate({**DEFAULTS, **saved})
+    data, shape, _ = _prepare_data(config)
+    model, *_ = _build_clipless(config, data, shape)
+    averaged = state.get("averaged_model")
+    model.load_state_dict(averaged if averaged is not None else state["model"])
+    if averaged is not None:  # what the run evaluated and shipped: the projected average (PrivateTrainer.eval_model)
+        for m in model.modules():
+            if hasattr(m, "project_"):
+                m.project_()
+    exported = export(model, shape, inputs_within_bound=inputs_within_bound)
+    model.eval()
+    x = torch.stack([data.test[i][0] for i in range(min(len(data.test), 1000))])
+    with torch.no_grad():
+        ours, theirs = model(x), exported(x)
+    buffer = io.BytesIO()
+    batch = torch.export.Dim("batch", min=1)
+    torch.export.save(torch.export.export(exported, (x[:2],), dynamic_shapes=({0: batch},)), buffer)
+    target = path or out_dir / "model.pt2"
+    write_atomically(target, buffer.getvalue())
+    return {"path": str(target), "layers": len(exported), "checked_examples": int(x.shape[0]),
+            "max_abs_difference": float((ours - theirs).abs().max()),
+            "prediction_agreement": float((ours.argmax(1) == theirs.argmax(1)).float().mean())}
 
 
 def _write_result(out_dir: Path, result: Dict[str, Any], name: str = "result.json") -> Dict[str, Any]:
@@ -709,6 +781,12 @@ def _run(args: argparse.Namespace) -> int:
             f"{result['steps']} steps, {result['wall_time_s']:.1f}s; {_privacy_status(result)}; "
             f"result in {Path(config['output_dir']) / 'result.json'}"
         )
+    elif args.command == "export":
+        record = run_export(Path(args.output_dir), Path(args.out) if args.out else None, args.inputs_within_bound)
+        print(f"exported {record['layers']} standard layers to {record['path']}: max |output difference| "
+              f"{record['max_abs_difference']:.2g} on {record['checked_examples']} test examples, predictions "
+              f"agree on {100 * record['prediction_agreement']:.2f}%; load with torch.export.load(path).module() "
+              "(no clipless needed)")
     elif args.command == "audit":
         config = resolve_config(args)
         record = run_audit(config, args)

@@ -2,6 +2,7 @@
 
 from .clipping import AdaptiveLossGradientClip, LossGradientClip
 from .conv import LipschitzConv2d
+from .export import export
 from .layers import (
     GroupSort,
     InputNormClip,
@@ -32,4 +33,4 @@ from .models import (
     lipschitz_vgg,
 )
 
-__all__ = ["AdaptiveLossGradientClip", "BinaryCrossEntropyWithTemperature", "CrossEntropyWithTemperature", "GroupSort", "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear", "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_model", "build_optimizer", "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg"]
+__all__ = ["AdaptiveLossGradientClip", "BinaryCrossEntropyWithTemperature", "CrossEntropyWithTemperature", "GroupSort", "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear", "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_model", "build_optimizer", "export", "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg"]

@@ -1,0 +1,91 @@
+"""Export for deployment (issue 18, item 8): standard torch layers computing the trained model's function."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import clipless as cl
+from clipless.cli import main
+
+
+def _trained_like(model):
+    """Weights moved off their initialization and projected again, as after training."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    for m in model.modules():
+        if hasattr(m, "project_"):
+            m.project_()
+    return model
+
+
+@pytest.mark.parametrize("build, shape, atol", [
+    (lambda: cl.lipschitz_mlp((1, 8, 8), 10, hidden=(32, 16)), (1, 8, 8), 1e-5),
+    (lambda: cl.lipschitz_mlp((12,), 3, hidden=(8,), activation="groupsort2").append(cl.LossGradientClip(0.5)),
+     (12,), 1e-5),
+    (lambda: cl.lipschitz_cnn((1, 16, 16), 10, channels=(4, 8)), (1, 16, 16), 1e-4),  # LPPool: sqrt(eps) per output
+    (lambda: cl.lipschitz_vgg((3, 8, 8), 5, channels=(4, 8)), (3, 8, 8), 1e-4),
+])
+def test_exported_model_has_only_standard_layers_and_the_same_outputs(build, shape, atol, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = _trained_like(build())
+    exported = cl.export(model, shape)
+    assert all(type(m).__module__.startswith("torch.nn.modules") for m in exported.modules())
+    x = torch.rand(32, *shape)
+    with torch.no_grad():
+        assert torch.allclose(exported(x), model(x), atol=atol, rtol=0)
+    path = tmp_path / "model.pt2"
+    batch = torch.export.Dim("batch", min=1)
+    torch.export.save(torch.export.export(exported, (x[:2],), dynamic_shapes=({0: batch},)), str(path))
+    # loadable where clipless cannot even be imported
+    code = (f"import sys; sys.modules['clipless'] = None; import torch; "
+            f"m = torch.export.load({str(path)!r}).module(); print(m(torch.zeros(3, *{tuple(shape)!r})).shape[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip()) == exported(torch.zeros(1, *shape)).shape[1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(pairs=st.integers(1, 8), seed=st.integers(0, 10_000), scale=st.floats(1e-3, 1e3), conv=st.booleans())
+def test_exported_pair_sort_equals_max_min(pairs, seed, scale, conv) -> None:
+    g = torch.Generator().manual_seed(seed)
+    shape = (2 * pairs, 3, 3) if conv else (2 * pairs,)
+    x = scale * torch.randn(5, *shape, generator=g)
+    x[0] = x[0].round()  # ties
+    for layer in (cl.MaxMin(), cl.GroupSort(2)):
+        exported = cl.export(torch.nn.Sequential(layer), shape)
+        assert torch.allclose(exported(x), layer(x), rtol=1e-6, atol=1e-6 * scale)
+
+
+def test_layers_without_a_standard_equivalent_are_refused_with_the_fix() -> None:
+    clip = cl.lipschitz_cnn((1, 8, 8), 3, channels=(4,), input_clip=8.0)
+    with pytest.raises(ValueError, match="inputs_within_bound=True"):
+        cl.export(clip, (1, 8, 8))
+    x = torch.rand(4, 1, 8, 8) / 8  # norm <= 1 < 8: the clip is the identity there
+    with torch.no_grad():
+        assert torch.allclose(cl.export(clip, (1, 8, 8), inputs_within_bound=True)(x), clip(x), atol=1e-4)
+    with pytest.raises(ValueError, match="groups of 4"):
+        cl.export(torch.nn.Sequential(cl.GroupSort(4)), (8,))
+    with pytest.raises(ValueError, match="not sequential|cannot be exported"):
+        cl.export(cl.lipschitz_resnet((1, 8, 8), 3, channels=(4,)), (1, 8, 8))
+
+
+def test_cli_export_of_a_trained_run(tmp_path) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant",
+                 "rdp", "--output-dir", str(out)]) == 0
+    assert main(["export", "--output-dir", str(out)]) == 0
+    model = torch.export.load(str(out / "model.pt2")).module()
+    data = cl.load_digits()
+    x = torch.stack([data.test[i][0] for i in range(len(data.test))])
+    y = torch.tensor([int(data.test[i][1]) for i in range(len(data.test))])
+    accuracy = float((model(x).argmax(1) == y).float().mean())
+    assert accuracy == pytest.approx(json.loads((out / "result.json").read_text())["test_accuracy"], abs=1e-6)
+    with pytest.raises(SystemExit, match="cannot read checkpoint|checkpoint"):
+        main(["export", "--output-dir", str(tmp_path / "missing")])
