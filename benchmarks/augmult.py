@@ -33,6 +33,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=float, default=256)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--shift", type=int, default=1)
+    p.add_argument("--input-clip", type=float)
+    p.add_argument("--loss-grad-clip", type=float)
+    p.add_argument("--tau", type=float, default=8.0)
     p.add_argument("--out", default="results/augmult.json")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
@@ -49,7 +52,8 @@ def main() -> None:
                                        channels=args.channels, hidden=args.hidden, epsilon=args.epsilon,
                                        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=seed,
                                        noise_seed=seed, augmult=k, augment_shift=args.shift, progress=False,
-                                       output_dir=out))
+                                       features="none", input_clip=args.input_clip, tau=args.tau,
+                                       loss_grad_clip=args.loss_grad_clip, output_dir=out))
                 result = run_train(config)
             runs.append({"seed": seed, "test_accuracy": result["test_accuracy"], "epsilon": result["epsilon"],
                          "epoch_time_s": result["wall_time_s"] / max(len(result["history"]), 1)})

@@ -19,21 +19,21 @@ DEFAULTS: Dict[str, Any] = {
     "dataset": "digits",
     "data_dir": None,
     "model": "mlp",
-    "hidden": [128],
+    "hidden": [],
     "channels": [16, 32],
     "patch_size": 4,
-    "features": "none",
+    "features": "auto",
     "activation": "maxmin",
     "input_clip": None,
     "loss": "tau_ce",
-    "tau": 8.0,
-    "loss_grad_clip": None,
+    "tau": 32.0,
+    "loss_grad_clip": 0.25,
     "adaptive_clip_quantile": None,
     "count_noise_multiplier": None,
     "epsilon": 3.0,
     "delta": 1e-5,
     "noise_multiplier": None,
-    "batch_size": 512,
+    "batch_size": 1024,
     "epochs": 40,
     "strategy": "global",
     "accountant": "pld",
@@ -123,7 +123,7 @@ SCHEMA: Dict[str, Any] = {
     "hidden": _widths,
     "channels": _widths,
     "patch_size": _number(int, 0),
-    "features": _choice("none", "scattering"),
+    "features": _choice("auto", "none", "scattering"),
     "activation": _text(),
     "input_clip": _number(float, 0, optional=True),
     "loss": _choice("tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"),
@@ -189,14 +189,15 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--channels", type=int, nargs="*",
                    help="conv channels per stage (cnn, vgg, resnet); mixer: the first value is the token width")
     p.add_argument("--patch-size", type=int, help="mixer: side of the square patches (must tile the image)")
-    p.add_argument("--features", choices=["none", "scattering"],
+    p.add_argument("--features", choices=["auto", "none", "scattering"],
                    help="scattering: train on fixed wavelet scattering features of the images (data-independent, "
-                   "norm 1; the model must be mlp)")
+                   "norm 1; the model must be mlp); auto (default): scattering for images into an mlp, else none")
     p.add_argument("--activation", help="maxmin or groupsortK")
     p.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
     p.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
     p.add_argument("--tau", type=float, help="temperature of tau_ce")
-    p.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C))")
+    p.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C)); "
+                   "default 0.25 (null in a YAML file turns it off)")
     p.add_argument("--adaptive-clip-quantile", type=float,
                    help="make the loss-gradient clip adaptive: C tracks this private quantile of the logit "
                    "gradient norms (Andrew et al.), starting at --loss-grad-clip; its cost enters epsilon")
@@ -400,6 +401,8 @@ def _prepare_data(config: Dict[str, Any]) -> Tuple[Any, Tuple[int, ...], Optiona
         torch.manual_seed(seed)
     data = load_dataset(config["dataset"], config["data_dir"], seed=seed or 0)
     shape = data.input_shape
+    if config["features"] == "auto":  # the fixed scattering front-end wherever it applies: images into an MLP
+        config["features"] = "scattering" if config["model"] == "mlp" and len(shape) == 3 else "none"
     if config["features"] == "scattering":
         from .data.features import scattering_split
 

@@ -151,5 +151,8 @@ def test_cli_adaptive_clip(tmp_path):
     result = json.loads((out / "result.json").read_text())
     assert result["epsilon"] <= 3.0 + 1e-9
     assert result["effective_noise_multiplier"] < result["noise_multiplier"]  # the count shares the budget
+    config = tmp_path / "no-clip.yaml"
+    config.write_text("loss-grad-clip: null\n")  # the default clip is 0.25; a YAML null turns it off
     with pytest.raises(SystemExit, match="initial clip"):
-        main(["train", "--adaptive-clip-quantile", "0.5", "--output-dir", str(out), "--no-progress"])
+        main(["train", "--config", str(config), "--adaptive-clip-quantile", "0.5", "--output-dir", str(out),
+              "--no-progress"])

@@ -79,7 +79,7 @@ def test_layers_without_a_standard_equivalent_are_refused_with_the_fix() -> None
 def test_cli_export_of_a_trained_run(tmp_path) -> None:
     out = tmp_path / "run"
     assert main(["train", "--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant",
-                 "rdp", "--output-dir", str(out)]) == 0
+                 "rdp", "--features", "none", "--output-dir", str(out)]) == 0
     assert main(["export", "--output-dir", str(out)]) == 0
     model = torch.export.load(str(out / "model.pt2")).module()
     data = cl.load_digits()
@@ -87,5 +87,9 @@ def test_cli_export_of_a_trained_run(tmp_path) -> None:
     y = torch.tensor([int(data.test[i][1]) for i in range(len(data.test))])
     accuracy = float((model(x).argmax(1) == y).float().mean())
     assert accuracy == pytest.approx(json.loads((out / "result.json").read_text())["test_accuracy"], abs=1e-6)
+    # the default run (scattering features into a linear head): the export takes the features, and agrees
+    default = tmp_path / "default"
+    assert main(["train", "--epochs", "1", "--no-progress", "--accountant", "rdp", "--output-dir", str(default)]) == 0
+    assert main(["export", "--output-dir", str(default)]) == 0
     with pytest.raises(SystemExit, match="cannot read checkpoint|checkpoint"):
         main(["export", "--output-dir", str(tmp_path / "missing")])

@@ -65,6 +65,9 @@ def check_same_on_all_ranks(values: Dict[str, Any], what: str = "run") -> None:
     torch.distributed.all_gather_object(gathered, {k: repr(v) for k, v in values.items()})
     differing = sorted(k for k in values if len({repr(g.get(k)) if g else None for g in gathered}) > 1)
     if differing:
+        # every rank has seen the same gather: wait until all are done with it, so that no rank tears the group
+        # down under a peer still receiving (gloo aborts that peer instead of letting it refuse)
+        torch.distributed.barrier()
         detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {g.get(k) if g else None}" for r, g in enumerate(gathered))
                            for k in differing)
         raise BoundError(f"the ranks of this distributed {what} disagree ({detail}): every rank must run the same "
