@@ -56,7 +56,7 @@ def main() -> None:
                                        loss_grad_clip=args.loss_grad_clip, output_dir=out))
                 result = run_train(config)
             runs.append({"seed": seed, "test_accuracy": result["test_accuracy"], "epsilon": result["epsilon"],
-                         "epoch_time_s": result["wall_time_s"] / max(len(result["history"]), 1)})
+                         "epoch_time_s": statistics.median(h["epoch_time_s"] for h in result["history"])})
             print(f"K={k} seed={seed}: {runs[-1]}", flush=True)
         accs = [r["test_accuracy"] for r in runs]
         rows.append({"K": k, "runs": runs, "mean_accuracy": statistics.mean(accs),
