@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 __all__ = ["CERT_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm", "bjorck_residual",
-           "certified_bjorck_step",            "CertifiedValueCache"]
+           "certified_bjorck_step", "CertifiedValueCache"]
 
 # Relative safety margin applied to norms computed in float64 from float32
 # weights: float64 SVD is backward-stable to ~1e-15 relative, so 1e-9 is a
@@ -123,8 +123,10 @@ def certified_bjorck_step(matrix: torch.Tensor, residual: Optional[torch.Tensor]
         return result, certified_spectral_norm(result)
     u64 = torch.finfo(torch.float64).eps / 2
     u = torch.finfo(w.dtype).eps / 2
-    # ||W||_F^2 = trace(W W^T) = trace(R) + n, up to the Gram's rounding (no second pass over W)
-    w_norm = math.sqrt(max(float(residual.diagonal().sum()) + n, 0.0) * (1 + _gamma(m + n + 2, u64)))
+    # ||W||_F^2 = trace(W W^T) = trace(R) + n, up to the Gram's relative rounding and that of subtracting and
+    # adding back the n ones (absolute, <= gamma * 2n): no second pass over W
+    g = _gamma(m + n + 2, u64)
+    w_norm = math.sqrt(max(float(residual.diagonal().sum()) + n, 0.0) * (1 + g) + 2 * n * g)
     tiny = 2.0 ** -120 * (1.0 + w_norm) * (n + m) * math.sqrt(n * m)  # underflow (subnormals or flush-to-zero)
     gram_error = _gamma(m + 1, u64) * w_norm**2  # |G~ - W W^T| <= gamma |W||W^T| entrywise
     # the residual used: float64 subtraction of I, then rounding to the weight's dtype
