@@ -524,6 +524,7 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
     import io
 
     from .nn.export import export
+    from .privacy.modules import project_all_
     from .train.checkpoint import load_checkpoint, write_atomically
 
     state = load_checkpoint(out_dir / "checkpoint.pt")
@@ -537,9 +538,7 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
     averaged = state.get("averaged_model")
     model.load_state_dict(averaged if averaged is not None else state["model"])
     if averaged is not None:  # what the run evaluated and shipped: the projected average (PrivateTrainer.eval_model)
-        for m in model.modules():
-            if hasattr(m, "project_"):
-                m.project_()
+        project_all_(model)
     exported = export(model, shape, inputs_within_bound=inputs_within_bound)
     model.eval()
     x = torch.stack([data.test[i][0] for i in range(min(len(data.test), 1000))])

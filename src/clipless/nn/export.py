@@ -61,22 +61,22 @@ def _pair_sort(dim: int, ndim: int, channels: int, descending: bool) -> List[nn.
     return [maps[0], nn.ReLU(), maps[1]]
 
 
+def _with_parameters_of(source: nn.Module, target: nn.Module) -> List[nn.Module]:
+    with torch.no_grad():
+        target.weight.copy_(source.weight)
+        if source.bias is not None:
+            target.bias.copy_(source.bias)
+    return [target]
+
+
 def _convert(layer: nn.Module, shape: torch.Size, inputs_within_bound: bool) -> List[nn.Module]:
     if isinstance(layer, LipschitzLinear):
-        out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-        with torch.no_grad():
-            out.weight.copy_(layer.weight)
-            if layer.bias is not None:
-                out.bias.copy_(layer.bias)
-        return [out]
+        return _with_parameters_of(layer, nn.Linear(layer.in_features, layer.out_features,
+                                                    bias=layer.bias is not None))
     if isinstance(layer, LipschitzConv2d):
-        conv = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                         padding=layer.padding, padding_mode=layer.padding_mode, bias=layer.bias is not None)
-        with torch.no_grad():
-            conv.weight.copy_(layer.weight)
-            if layer.bias is not None:
-                conv.bias.copy_(layer.bias)
-        return [conv]
+        return _with_parameters_of(layer, nn.Conv2d(
+            layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
+            padding_mode=layer.padding_mode, bias=layer.bias is not None))
     if isinstance(layer, GroupSort):  # MaxMin is a GroupSort(2) with the larger value first
         if layer.group_size != 2:
             raise ValueError(f"{layer!r}: sorting groups of {layer.group_size} has no standard-layer equivalent "

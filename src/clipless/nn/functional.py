@@ -47,21 +47,20 @@ def bjorck_orthonormalize(weight: torch.Tensor, max_iters: int = 30, tol: float 
     deviation = float(residual.abs().max())
     if not math.isfinite(deviation):
         raise BoundError("weight matrix contains NaN or infinite values")
-    if deviation < tol:  # the usual case after one optimizer step: one certified iteration
-        w, bound = certified_bjorck_step(w, residual)
-        return (w.T if transpose else w).contiguous(), bound
-    # max row sum of |G| >= lambda_max(G): the exact top singular value only when it might exceed 1.5
-    if float(residual.abs().sum(dim=1).max()) + 1 > 2.25:
-        top = math.sqrt(max(float(torch.linalg.eigvalsh(residual)[-1]) + 1, 0.0))
-        if top > 1.5:
-            w = w / top
-    eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
-    for _ in range(max_iters - 1):  # far from orthonormal (first projection, large steps): converge in float32
-        residual = w @ w.T - eye
-        if float(residual.abs().max()) < 0.1 * tol:
-            break
-        w = w - 0.5 * residual @ w
-    w, bound = certified_bjorck_step(w)
+    if deviation >= tol:  # far from orthonormal (first projection, large steps): converge in float32 first
+        # max row sum of |G| >= lambda_max(G): the exact top singular value only when it might exceed 1.5
+        if float(residual.abs().sum(dim=1).max()) + 1 > 2.25:
+            top = math.sqrt(max(float(torch.linalg.eigvalsh(residual)[-1]) + 1, 0.0))
+            if top > 1.5:
+                w = w / top
+        eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
+        for _ in range(max_iters - 1):
+            gap = w @ w.T - eye
+            if float(gap.abs().max()) < 0.1 * tol:
+                break
+            w = w - 0.5 * gap @ w
+        residual = bjorck_residual(w)  # of the weights the certified step takes
+    w, bound = certified_bjorck_step(w, residual)
     return (w.T if transpose else w).contiguous(), bound
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from .certified import BoundError
 from .input_guard import tap_loss
 
-__all__ = ["LayerBound", "DeclaredConstants", "BoundedModule", "InputClip", "Residual", "PerStepMechanism",
+__all__ = ["LayerBound", "DeclaredConstants", "BoundedModule", "project_all_", "InputClip", "Residual", "PerStepMechanism",
            "step_mechanisms", "LipschitzLoss"]
 
 
@@ -72,6 +72,15 @@ class BoundedModule(DeclaredConstants, nn.Module):
 
     def project_(self) -> None:
         """Put the parameters back in the feasible set (after an optimizer step)."""
+
+
+def project_all_(model: nn.Module) -> nn.Module:
+    """Project every :class:`BoundedModule` of ``model`` into its feasible set (e.g. an average of feasible
+    iterates, which need not be feasible itself); returns ``model``."""
+    for m in model.modules():
+        if isinstance(m, BoundedModule):
+            m.project_()
+    return model
 
 
 class InputClip(BoundedModule):

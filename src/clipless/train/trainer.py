@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from ..data.augment import ImageAugmentation
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_delta
-from ..privacy.modules import BoundedModule, LipschitzLoss
+from ..privacy.modules import LipschitzLoss, project_all_
 from ..privacy.distributed import world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label
@@ -185,11 +185,7 @@ class PrivateTrainer:
         """The model to evaluate and ship: the projected average of the iterates when averaging, else the model."""
         if self.averaged_model is None:
             return self.module
-        model = copy.deepcopy(self.averaged_model)
-        for m in model.modules():
-            if isinstance(m, BoundedModule):
-                m.project_()  # an average of feasible weights is re-projected to stay 1-Lipschitz
-        return model
+        return project_all_(copy.deepcopy(self.averaged_model))  # the average of feasible weights, re-projected
 
     @property
     def accountant(self):
