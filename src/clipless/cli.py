@@ -23,6 +23,7 @@ DEFAULTS: Dict[str, Any] = {
     "channels": [16, 32],
     "patch_size": 4,
     "features": "auto",
+    "colour_space": "rgb",
     "activation": "maxmin",
     "input_clip": None,
     "loss": "tau_ce",
@@ -124,6 +125,7 @@ SCHEMA: Dict[str, Any] = {
     "channels": _widths,
     "patch_size": _number(int, 0),
     "features": _choice("auto", "none", "scattering"),
+    "colour_space": _choice("rgb", "hsv", "yuv", "grayscale"),
     "activation": _text(),
     "input_clip": _number(float, 0, optional=True),
     "loss": _choice("tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"),
@@ -192,6 +194,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--features", choices=["auto", "none", "scattering"],
                    help="scattering: train on fixed wavelet scattering features of the images (data-independent, "
                    "norm 1; the model must be mlp); auto (default): scattering for images into an mlp, else none")
+    p.add_argument("--colour-space", choices=["rgb", "hsv", "yuv", "grayscale"],
+                   help="colour images: the fixed per-pixel map applied before anything else (data-independent; "
+                   "default rgb)")
     p.add_argument("--activation", help="maxmin or groupsortK")
     p.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
     p.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
@@ -394,13 +399,18 @@ def _resumed_config(config: Dict[str, Any], explicit: set) -> Dict[str, Any]:
 
 def _prepare_data(config: Dict[str, Any]) -> Tuple[Any, Tuple[int, ...], Optional[int]]:
     """The dataset of ``config`` (scattering features applied), its input shape, and the public seed."""
-    from .data.datasets import load_dataset
+    from .data.datasets import convert_split_colour_space, load_dataset
 
     seed: Optional[int] = None if config["seed"] is None or config["seed"] < 0 else int(config["seed"])
     if seed is not None:
         torch.manual_seed(seed)
     data = load_dataset(config["dataset"], config["data_dir"], seed=seed or 0)
     shape = data.input_shape
+    if config["colour_space"] != "rgb":
+        if len(shape) != 3 or shape[0] != 3:
+            raise SystemExit(f"--colour-space {config['colour_space']} needs RGB images; {data.name} has shape {shape}")
+        data = convert_split_colour_space(data, config["colour_space"])
+        shape = data.input_shape
     if config["features"] == "auto":  # the fixed scattering front-end wherever it applies: images into an MLP
         config["features"] = "scattering" if config["model"] == "mlp" and len(shape) == 3 else "none"
     if config["features"] == "scattering":
@@ -445,7 +455,8 @@ def _build_clipless(config: Dict[str, Any], data: Any, shape: Tuple[int, ...]) -
     if config["input_clip"] is None:
         if config["features"] == "scattering":
             input_bound = 1.0  # every feature vector has norm exactly 1 (or 0)
-        elif data.name in ("digits", "mnist", "cifar10", "imagefolder"):  # pixels in [0, 1]
+        # every coordinate in [-1, 1]: pixels in [0, 1], and also after any colour-space map (|U|, |V| <= 0.615)
+        elif data.name.split("+")[0] in ("digits", "mnist", "idx", "cifar10", "imagefolder"):
             input_bound = float(torch.tensor(shape).prod().sqrt())
         else:
             raise SystemExit("tabular data has no fixed norm bound: pass --input-clip C")

@@ -133,3 +133,31 @@ def test_input_norms_and_histogram_figure(tmp_path):
     assert torch.allclose(norms, x.flatten(1).double().norm(dim=1))
     path = plot_norm_histograms({"rgb": norms}, tmp_path / "h.png", clip=2.0)
     assert path.stat().st_size > 1000
+
+
+def _write_idx(path, array: np.ndarray) -> None:
+    with gzip.open(path, "wb") as fh:
+        fh.write(bytes([0, 0, 0x08, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
+                 + array.astype(np.uint8).tobytes())
+
+
+def test_any_idx_image_dataset(tmp_path):
+    """Fashion-MNIST-style drop-ins load as mnist; other sizes, more classes, prefixed names (EMNIST) as idx."""
+    from clipless.data import load_idx_images
+
+    rng = np.random.default_rng(0)
+    d = tmp_path / "emnist"
+    d.mkdir()
+    for prefix, n in (("train", 30), ("test", 10)):
+        _write_idx(d / f"emnist-letters-{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 20, 24)))
+        _write_idx(d / f"emnist-letters-{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 27)
+    data = cl.load_dataset("idx", d)
+    assert data.name == "idx" and data.input_shape == (1, 20, 24) and data.num_classes == 27
+    assert float(data.train.features.max()) <= 1.0 and len(data.test) == 10
+    with pytest.raises(ValueError, match=r"not 28 x 28"):
+        cl.load_mnist(d)
+    with pytest.raises(ValueError, match=r"labels outside 0-9 \(e.g. 26\)"):
+        load_idx_images(d, "mnist", num_classes=10)
+    _write_idx(d / "other-train-images-idx3-ubyte.gz", rng.integers(0, 256, (3, 20, 24)))
+    with pytest.raises(ValueError, match="several"):
+        cl.load_dataset("idx", d)

@@ -108,3 +108,37 @@ def test_cli_trains_on_an_image_folder(tmp_path) -> None:
                  str(out), "--no-progress"]) == 0
     result = json.loads((out / "result.json").read_text())
     assert result["dataset"] == "imagefolder" and result["epsilon"] <= 3.0 + 1e-9
+
+
+def test_colour_recipe_runs_on_cifar_files(tmp_path) -> None:
+    """configs/cifar10.yaml (colour map, scattering of each channel, linear head) trains on files in CIFAR-10's format,
+    in every colour space, and stays within its epsilon."""
+    from pathlib import Path
+
+    pytest.importorskip("kymatio")
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "cifar10.yaml"
+    _write_cifar(tmp_path / "cifar", per_batch=40)
+    for space in ("yuv", "grayscale"):
+        out = tmp_path / f"run-{space}"
+        assert main(["train", "--config", str(recipe), "--data-dir", str(tmp_path / "cifar"), "--colour-space", space,
+                     "--epochs", "1", "--batch-size", "16", "--delta", "1e-3", "--accountant", "rdp",
+                     "--output-dir", str(out), "--no-progress"]) == 0
+        result = json.loads((out / "result.json").read_text())
+        assert result["dataset"] == f"cifar10+{space}+scattering" and result["epsilon"] <= 3.0 + 1e-9
+        assert result["config"]["colour_space"] == space
+
+
+def test_colour_space_conversions_keep_the_pixel_bound(tmp_path) -> None:
+    """The CLI keeps the pixel bound sqrt(C H W) after a colour map: every coordinate of every space is in [-1, 1]."""
+    from clipless.data.datasets import convert_colour_space
+
+    corners = torch.tensor([[r, g, b] for r in (0.0, 1.0) for g in (0.0, 1.0) for b in (0.0, 1.0)])
+    x = torch.cat([corners, torch.rand(2000, 3)]).reshape(-1, 3, 1, 1)
+    for space in ("rgb", "hsv", "yuv", "grayscale"):
+        assert float(convert_colour_space(x, space).abs().max()) <= 1.0
+
+
+def test_colour_space_needs_rgb_images(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="needs RGB images"):
+        main(["train", "--dataset", "digits", "--colour-space", "yuv", "--output-dir", str(tmp_path / "r"),
+              "--no-progress"])

@@ -33,9 +33,11 @@ __all__ = [
     "signed_log1p",
     "COLOUR_SPACES",
     "convert_colour_space",
+    "convert_split_colour_space",
     "input_norms",
     "check_finite",
     "read_idx",
+    "load_idx_images",
 ]
 
 
@@ -143,7 +145,7 @@ def convert_colour_space(x: torch.Tensor, space: str) -> torch.Tensor:
         return x
     if space in ("yuv", "grayscale"):
         weights = _YUV.to(x) if space == "yuv" else _YUV[:1].to(x)
-        return torch.einsum("oc,nc...->no...", weights, x)
+        return torch.einsum("oc,nc...->no...", weights, x).contiguous()
     r, g, b = x[:, 0], x[:, 1], x[:, 2]
     maxc, minc = x.max(dim=1).values, x.min(dim=1).values
     delta = maxc - minc
@@ -153,6 +155,14 @@ def convert_colour_space(x: torch.Tensor, space: str) -> torch.Tensor:
     hue = torch.where(delta > 0, hue / 6.0, torch.zeros_like(hue))
     sat = torch.where(maxc > 0, delta / torch.where(maxc > 0, maxc, torch.ones_like(maxc)), torch.zeros_like(maxc))
     return torch.stack((hue, sat, maxc), dim=1)
+
+
+def convert_split_colour_space(split: "DataSplit", space: str) -> "DataSplit":
+    """Both sides of ``split`` through :func:`convert_colour_space` (the same fixed map on every image)."""
+    if space == "rgb":
+        return split
+    convert = lambda ds: ArrayDataset(convert_colour_space(ds.features, space), ds.labels)  # noqa: E731
+    return DataSplit(convert(split.train), convert(split.test), f"{split.name}+{space}")
 
 
 def input_norms(x: torch.Tensor) -> torch.Tensor:
@@ -207,33 +217,64 @@ def read_idx(path: Union[str, Path]) -> np.ndarray:
 
 
 def _find(directory: Path, stem: str) -> Path:
+    """``stem``, ``stem.gz`` or ``stem`` with ``.idx`` for ``-idx``; else the one file named ``*-stem[.gz]`` (the
+    prefixed names of EMNIST-style releases, e.g. ``emnist-letters-train-images-idx3-ubyte.gz``)."""
     for name in (stem + ".gz", stem, stem.replace("-idx", ".idx") + ".gz"):
         if (directory / name).exists():
             return directory / name
+    prefixed = sorted({*directory.glob(f"*-{stem}"), *directory.glob(f"*-{stem}.gz")})
+    if len(prefixed) == 1:
+        return prefixed[0]
+    if prefixed:
+        raise ValueError(f"{directory} holds several *-{stem} files ({', '.join(p.name for p in prefixed)}): keep one "
+                         "dataset per directory")
     raise FileNotFoundError(f"no {stem}[.gz] in {directory}")
 
 
-def load_mnist(data_dir: Union[str, Path]) -> DataSplit:
-    """MNIST from the four original IDX files in ``data_dir``; pixels in [0, 1], shape (1, 28, 28)."""
+def load_idx_images(data_dir: Union[str, Path], name: str = "idx", image_shape: Optional[Tuple[int, int]] = None,
+                    num_classes: Optional[int] = None) -> DataSplit:
+    """Any grayscale image dataset in MNIST's IDX layout: ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
+    ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (``.gz`` or not; a common prefix such as
+    ``emnist-letters-`` is allowed; ``test-`` for ``t10k-``).  Pixels in [0, 1], shape (1, H, W), labels integers
+    from 0; ``image_shape`` and ``num_classes`` (labels below it), when given, are checked."""
     d = Path(data_dir)
     if not d.exists():
-        raise FileNotFoundError(f"MNIST directory {d} does not exist")
+        raise FileNotFoundError(f"{name} directory {d} does not exist")
     if not d.is_dir():
-        raise NotADirectoryError(f"{d} is a file; give the directory that holds the four MNIST IDX files")
+        raise NotADirectoryError(f"{d} is a file; give the directory that holds the four IDX files (train and t10k "
+                                 "images and labels)")
     parts = []
     for prefix in ("train", "t10k"):
-        image_file, label_file = _find(d, f"{prefix}-images-idx3-ubyte"), _find(d, f"{prefix}-labels-idx1-ubyte")
+        try:
+            image_file = _find(d, f"{prefix}-images-idx3-ubyte")
+            label_file = _find(d, f"{prefix}-labels-idx1-ubyte")
+        except FileNotFoundError:
+            if prefix != "t10k":
+                raise
+            image_file, label_file = _find(d, "test-images-idx3-ubyte"), _find(d, "test-labels-idx1-ubyte")
         images, labels = read_idx(image_file), read_idx(label_file)
-        if images.ndim != 3 or images.shape[1:] != (28, 28):
-            raise ValueError(f"{image_file} holds images of shape {images.shape[1:]}, not 28 x 28: not MNIST")
+        if images.ndim != 3 or (image_shape is not None and images.shape[1:] != tuple(image_shape)):
+            want = f"{image_shape[0]} x {image_shape[1]}" if image_shape is not None else "N x H x W"
+            raise ValueError(f"{image_file} holds images of shape {images.shape[1:]}, not {want}")
+        if parts and images.shape[1:] != tuple(parts[0].input_shape[1:]):
+            raise ValueError(f"{image_file} holds {images.shape[1:]} images, the training file "
+                             f"{tuple(parts[0].input_shape[1:])}")
         if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
             raise ValueError(f"{label_file} holds {labels.shape} labels for {images.shape[0]} images in {image_file}")
-        if labels.size and (labels.min() < 0 or labels.max() > 9):
-            raise ValueError(f"{label_file} holds labels outside 0-9 (e.g. {int(labels.max())}): the file is damaged "
-                             "or not MNIST's")
-        images = images.astype(np.float32) / 255.0
-        parts.append(_to_dataset(images, labels.astype(np.int64), (1, 28, 28)))
-    return DataSplit(parts[0], parts[1], "mnist")
+        if labels.size and (labels.min() < 0 or (num_classes is not None and labels.max() >= num_classes)):
+            bad = int(labels.min()) if labels.min() < 0 else int(labels.max())
+            allowed = f"0-{num_classes - 1}" if num_classes is not None else "0 and above"
+            raise ValueError(f"{label_file} holds labels outside {allowed} (e.g. {bad}): the file is damaged or not "
+                             f"{name}'s")
+        if images.dtype != np.uint8:  # the [0, 1] scale (and so the pixel input bound) assumes bytes
+            raise ValueError(f"{image_file} holds {images.dtype} pixels; grayscale IDX images are unsigned bytes")
+        parts.append(_to_dataset(images.astype(np.float32) / 255.0, labels.astype(np.int64), (1,) + images.shape[1:]))
+    return DataSplit(parts[0], parts[1], name)
+
+
+def load_mnist(data_dir: Union[str, Path]) -> DataSplit:
+    """MNIST (or any drop-in: Fashion-MNIST, KMNIST) from its four IDX files: 28 x 28, labels 0-9."""
+    return load_idx_images(data_dir, "mnist", image_shape=(28, 28), num_classes=10)
 
 
 class _ArrayUnpickler:
@@ -408,7 +449,7 @@ def _is_number(text: str) -> bool:
 
 
 def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: int = 0) -> DataSplit:
-    """``digits`` (embedded), ``mnist`` (directory of IDX files), ``cifar10`` (its python-version directory),
+    """``digits`` (embedded), ``mnist`` (directory of its IDX files), ``idx`` (any grayscale IDX images), ``cifar10`` (its python-version directory),
     ``imagefolder`` (a tree of class folders) or a path to a tabular file."""
     if name == "digits":
         return load_digits(seed=seed)
@@ -416,13 +457,13 @@ def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: i
         if data_dir is None:
             raise ValueError(f"{name} needs --data-dir, the directory holding the images")
         return load_cifar10(data_dir) if name == "cifar10" else load_image_folder(data_dir, seed=seed)
-    if name == "mnist":
+    if name in ("mnist", "idx"):
         if data_dir is None:
-            raise ValueError("MNIST needs --data-dir, a directory holding the IDX .gz files")
-        return load_mnist(data_dir)
+            raise ValueError(f"{name} needs --data-dir, a directory holding the IDX files")
+        return load_mnist(data_dir) if name == "mnist" else load_idx_images(data_dir)
     candidate = Path(data_dir, name) if data_dir is not None else Path(name)
     if candidate.suffix in (".npz", ".csv") and candidate.exists():
         return load_tabular(candidate, seed=seed)
-    raise ValueError(f"unknown dataset {name!r}: use 'digits', 'mnist', 'cifar10', 'imagefolder' or a .npz/.csv file" + (
+    raise ValueError(f"unknown dataset {name!r}: use 'digits', 'mnist', 'idx', 'cifar10', 'imagefolder' or a .npz/.csv file" + (
         f" ({candidate} not found)" if candidate.suffix in (".npz", ".csv") else ""))
 

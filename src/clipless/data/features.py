@@ -52,7 +52,7 @@ class ScatteringFeatures(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        s = self.scattering(x.float()).reshape(n, self.groups, -1)
+        s = self.scattering(x.float().contiguous()).reshape(n, self.groups, -1)
         s = (s - s.mean(-1, keepdim=True)) / (s.std(-1, keepdim=True) + 1e-5)
         u = s.reshape(n, -1)
         return self.radius * u / torch.linalg.vector_norm(u, dim=1, keepdim=True).clamp_min(1e-12)
