@@ -62,8 +62,8 @@ def main() -> None:
     p.add_argument("--projection", choices=["spectral", "bjorck"], default="spectral")
     p.add_argument("--input-clip", type=float, default=1.0, help="input norm bound (scattering features: radius 1)")
     p.add_argument("--batch-size", type=float, default=4096)
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--tau", type=float, default=64.0)
     p.add_argument("--loss-grad-clip", type=float, default=0.25, help="clip each example's logit gradient to C")
     p.add_argument("--adaptive-quantile", type=float, default=None,

@@ -1,0 +1,124 @@
+"""The MNIST recipe chosen on a validation split (issue 18, item 1), then scored on the test split.
+
+    python benchmarks/mnist_search.py --epsilons 1 3 --seeds 0 1 2 --out results/mnist_search.json
+    python benchmarks/mnist_search.py --final-only --epsilons 1 3     # skip the search, score the chosen recipe
+
+Protocol:
+
+1. The scattering features of all 70 000 images are computed once (fixed map, data-independent).
+2. The MNIST training split is cut once (fixed permutation, seed 0) into fit (50 000) and validation (10 000).
+   Every configuration of ``GRID`` trains on fit at the target epsilon and is scored on validation; the test split
+   is not read.
+3. The configuration with the best validation accuracy is retrained on the whole training split and scored on
+   the test split over ``--seeds`` (fixed noise seeds so the table can be rerun; mean and spread reported).
+
+The search itself is not accounted in epsilon (as in the papers compared with); docs/results.md says how many
+configurations it tried. ``configs/mnist.yaml`` holds the epsilon-1 choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Linear head on the scattering features, every other setting as in configs/mnist.yaml unless listed.
+# Tried in this order (docs/results.md); the width-1024 hidden layer and the larger batches did not help.
+_BASE = {"hidden": [], "tau": 64.0, "batch_size": 4096, "loss_grad_clip": 0.25}
+GRID = [
+    {**_BASE, "epochs": 20, "lr": 1e-2},
+    {**_BASE, "batch_size": 16384, "epochs": 60, "lr": 2e-2},
+    {**_BASE, "hidden": [1024], "tau": 32.0, "epochs": 20, "lr": 5e-3},
+    {**_BASE, "hidden": [1024], "tau": 32.0, "batch_size": 16384, "epochs": 40, "lr": 5e-3},
+    {**_BASE, "tau": 128.0, "epochs": 20, "lr": 1e-2},
+    {**_BASE, "tau": 256.0, "epochs": 20, "lr": 1e-2},
+    {**_BASE, "loss_grad_clip": 0.1, "epochs": 20, "lr": 1e-2},
+    {**_BASE, "loss_grad_clip": 1.0, "epochs": 20, "lr": 1e-2},
+    {**_BASE, "epochs": 40, "lr": 3e-3},
+    {**_BASE, "tau": 16.0, "epochs": 20, "lr": 1e-2},
+    {**_BASE, "epochs": 80, "lr": 1e-3},
+    {**_BASE, "epochs": 40, "lr": 1e-3},
+    {**_BASE, "loss_grad_clip": 0.1, "epochs": 80, "lr": 3e-3},
+    {**_BASE, "epochs": 40, "lr": 3e-4},
+    {**_BASE, "epochs": 20, "lr": 1e-3},
+    {**_BASE, "tau": 32.0, "epochs": 40, "lr": 1e-3},
+]
+CHOSEN = {**_BASE, "epochs": 40, "lr": 1e-3}  # the best on validation at epsilon 1 (and 3): configs/mnist.yaml
+
+
+def features(data_dir: str):
+    import clipless as cl
+    from clipless.data.features import scattering_split
+
+    return scattering_split(cl.load_mnist(data_dir), radius=1.0, progress=True)
+
+
+def validation_split(data):
+    from clipless.data import ArrayDataset, DataSplit
+
+    x, y = data.train.features, data.train.labels
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    fit, val = perm[:50000], perm[50000:]
+    return DataSplit(ArrayDataset(x[fit], y[fit]), ArrayDataset(x[val], y[val]), data.name)
+
+
+def run(data, cfg: dict, epsilon: float, seed: int) -> dict:
+    from clipless.cli import DEFAULTS, _build_clipless, _trainer, validate
+
+    config = validate({**DEFAULTS, "dataset": "mnist", "features": "scattering", **cfg, "epsilon": epsilon,
+                       "seed": seed, "noise_seed": seed, "progress": False})
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    model, loss, optimizer, bound = _build_clipless(config, data, data.input_shape)
+    trainer = _trainer(config, model, loss, optimizer, data.train, data.test, data.input_shape, bound, None)
+    trainer.log = None
+    result = trainer.fit()
+    return {"accuracy": result.test_accuracy, "epsilon": result.epsilon, "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default="../shared/data/mnist")
+    p.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 3.0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--final-only", action="store_true", help="skip the search; score CHOSEN on the test split")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="results/mnist_search.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from report import print_table, write_json
+
+    start = time.perf_counter()
+    data = features(args.data_dir)
+    feature_seconds = time.perf_counter() - start
+    validation = validation_split(data)
+    rows = []
+    for epsilon in args.epsilons:
+        search = []
+        if not args.final_only:
+            for cfg in GRID:
+                outcome = run(validation, cfg, epsilon, seed=0)
+                search.append({"config": cfg, "validation_accuracy": outcome["accuracy"]})
+                print(f"eps={epsilon} {cfg}: validation {outcome['accuracy']:.4f}", flush=True)
+        chosen = max(search, key=lambda r: r["validation_accuracy"])["config"] if search else CHOSEN
+        tests = [run(data, chosen, epsilon, seed) for seed in args.seeds]
+        accs = [t["accuracy"] for t in tests]
+        rows.append({"epsilon": epsilon, "chosen": chosen, "configurations_tried": len(search) or None,
+                     "test_accuracies": accs, "mean": statistics.mean(accs),
+                     "sd": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                     "train_seconds": statistics.mean(t["seconds"] for t in tests),
+                     "epsilons_spent": [t["epsilon"] for t in tests], "search": search})
+        print(rows[-1], flush=True)
+    print_table(f"{'eps':>4} {'test acc (mean +- sd)':>22} {'train s':>8} {'features s':>10}  chosen",
+                [f"{r['epsilon']:>4g} {100 * r['mean']:>14.2f} +- {100 * r['sd']:4.2f} {r['train_seconds']:8.0f} "
+                 f"{feature_seconds:10.0f}  {r['chosen']}" for r in rows])
+    write_json(args.out, {"seeds": args.seeds, "feature_seconds": feature_seconds, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
