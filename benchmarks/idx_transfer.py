@@ -51,7 +51,8 @@ def variants(mnist_dir: Path, root: Path) -> dict:
     sides = [(s.features[:, 0].numpy(), s.labels.numpy()) for s in (mnist.train, mnist.test)]
     dirs = {
         "inverted": write_idx_dataset(root / "inverted", *[(1.0 - x, y) for x, y in sides]),
-        "transposed": write_idx_dataset(root / "transposed", *[(x.transpose(0, 2, 1)[:, :, ::-1], y) for x, y in sides]),
+        "transposed": write_idx_dataset(root / "transposed",
+                                        *[(x.transpose(0, 2, 1)[:, :, ::-1], y) for x, y in sides]),
     }
     return dirs
 

@@ -64,7 +64,8 @@ def run_clipless(train, test, delta, cfg, seed, accountant_log):
     d = train.features.shape[1]
     torch.manual_seed(seed)
     # input_clip: radius as a multiple of sqrt(d) (data-independent); loss_grad_clip: L -> min(L, C)
-    model = cl.lipschitz_mlp((d,), 2, hidden=tuple(cfg.get("hidden", HIDDEN)), input_clip=cfg.get("input_clip", 1.0) * math.sqrt(d), bias=True)
+    model = cl.lipschitz_mlp((d,), 2, hidden=tuple(cfg.get("hidden", HIDDEN)),
+                             input_clip=cfg.get("input_clip", 1.0) * math.sqrt(d), bias=True)
     if cfg.get("loss_grad_clip"):
         model.append(cl.LossGradientClip(cfg["loss_grad_clip"]))
     trainer = cl.PrivateTrainer(

@@ -182,9 +182,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["clipless", "dpsgd", "nonprivate"],
                    help="clipless DP-SGD (default), clipped DP-SGD through Opacus, or non-private training")
     p.add_argument("--max-grad-norm", type=float, help="per-example clipping norm C of dpsgd")
-    p.add_argument("--dataset", help="digits (embedded), mnist (its IDX files), idx (any grayscale IDX images), cifar10 (its "
-                   "python-version directory), "
-                   "imagefolder (a tree of class folders), or a .npz/.csv tabular file")
+    p.add_argument("--dataset", help="digits (embedded), mnist (its IDX files), idx (any grayscale IDX images), "
+                   "cifar10 (its python-version directory), imagefolder (a tree of class folders), or a .npz/.csv "
+                   "tabular file")
     p.add_argument("--data-dir", help="directory holding the dataset files (IDX, CIFAR-10 batches, image folders, "
                    "tabular files)")
     p.add_argument("--model", choices=["mlp", "cnn", "vgg", "resnet", "mixer"],

@@ -449,8 +449,8 @@ def _is_number(text: str) -> bool:
 
 
 def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: int = 0) -> DataSplit:
-    """``digits`` (embedded), ``mnist`` (directory of its IDX files), ``idx`` (any grayscale IDX images), ``cifar10`` (its python-version directory),
-    ``imagefolder`` (a tree of class folders) or a path to a tabular file."""
+    """``digits`` (embedded), ``mnist`` (directory of its IDX files), ``idx`` (any grayscale IDX images),
+    ``cifar10`` (its python-version directory), ``imagefolder`` (a tree of class folders) or a tabular file."""
     if name == "digits":
         return load_digits(seed=seed)
     if name in ("cifar10", "imagefolder"):
@@ -464,6 +464,6 @@ def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: i
     candidate = Path(data_dir, name) if data_dir is not None else Path(name)
     if candidate.suffix in (".npz", ".csv") and candidate.exists():
         return load_tabular(candidate, seed=seed)
-    raise ValueError(f"unknown dataset {name!r}: use 'digits', 'mnist', 'idx', 'cifar10', 'imagefolder' or a .npz/.csv file" + (
-        f" ({candidate} not found)" if candidate.suffix in (".npz", ".csv") else ""))
+    raise ValueError(f"unknown dataset {name!r}: use 'digits', 'mnist', 'idx', 'cifar10', 'imagefolder' or a .npz/.csv "
+                     "file" + (f" ({candidate} not found)" if candidate.suffix in (".npz", ".csv") else ""))
 
