@@ -19,9 +19,7 @@ Each row is one private run at the recipe's epsilon, with OS-entropy noise (``--
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -35,12 +33,11 @@ RECIPE = Path(__file__).resolve().parents[1] / "configs" / "mnist.yaml"
 def write_idx_dataset(directory: Path, train: tuple, test: tuple) -> Path:
     """``(images in [0, 1] (n, 28, 28), labels)`` pairs as the four MNIST-named IDX files (unsigned bytes)."""
     directory.mkdir(parents=True, exist_ok=True)
+    from clipless.data.datasets import write_idx
+
     for prefix, (images, labels) in (("train", train), ("t10k", test)):
-        for kind, array in (("images-idx3", np.rint(np.asarray(images) * 255)), ("labels-idx1", np.asarray(labels))):
-            array = array.astype(np.uint8)
-            header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
-            with gzip.open(directory / f"{prefix}-{kind}-ubyte.gz", "wb") as fh:
-                fh.write(header + array.tobytes())
+        write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", np.rint(np.asarray(images) * 255))
+        write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", np.asarray(labels))
     return directory
 
 

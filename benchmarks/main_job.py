@@ -37,12 +37,13 @@ OPACUS_GRID = [dict(features=f, hidden=[] if f == "scattering" else [128], lr=lr
                for f in ("none", "scattering") for lr in (0.01, 0.03, 0.1) for b in (512, 1024) for c in (0.5, 2.0)]
 
 
-def _split(data, seed: int = 0):
+def _split(data, seed: int = 0, fit_size: int = None):
+    """Training split -> (fit, validation) by a fixed permutation; fit is 80% unless ``fit_size`` is given."""
     from clipless.data import ArrayDataset, DataSplit
 
     x, y = data.train.features, data.train.labels
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    cut = int(0.8 * len(y))
+    cut = int(0.8 * len(y)) if fit_size is None else fit_size
     fit, val = perm[:cut], perm[cut:]
     return DataSplit(ArrayDataset(x[fit], y[fit]), ArrayDataset(x[val], y[val]), data.name)  # the same pixels: the same input bound
 

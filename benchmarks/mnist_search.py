@@ -57,15 +57,6 @@ def features(data_dir: str):
     return scattering_split(cl.load_mnist(data_dir), radius=1.0, progress=True)
 
 
-def validation_split(data):
-    from clipless.data import ArrayDataset, DataSplit
-
-    x, y = data.train.features, data.train.labels
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    fit, val = perm[:50000], perm[50000:]
-    return DataSplit(ArrayDataset(x[fit], y[fit]), ArrayDataset(x[val], y[val]), data.name)
-
-
 def run(data, cfg: dict, epsilon: float, seed: int) -> dict:
     from clipless.cli import DEFAULTS, _build_clipless, _trainer, validate
 
@@ -96,7 +87,9 @@ def main() -> None:
     start = time.perf_counter()
     data = features(args.data_dir)
     feature_seconds = time.perf_counter() - start
-    validation = validation_split(data)
+    from main_job import _split
+
+    validation = _split(data, seed=0, fit_size=50000)
     rows = []
     for epsilon in args.epsilons:
         search = []

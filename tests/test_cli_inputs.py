@@ -6,11 +6,9 @@ Each case goes through the CLI's ``main`` as a user would type it.
 from __future__ import annotations
 
 import errno
-import gzip
 import json
 import os
 import re
-import struct
 import warnings
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import yaml
 
 from clipless.kl import noisy_gd as klp
 from clipless.cli import main
+from clipless.data.datasets import write_idx
 
 FAST = ["--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant", "rdp"]
 
@@ -91,20 +90,14 @@ def test_yaml_flag_spelling_and_pyyaml_float_strings_accepted(tmp_path):
 
 
 # -- data ------------------------------------------------------------------------------------------------------
-def _idx(path: Path, array: np.ndarray, code: int = 0x08) -> None:
-    header = bytes([0, 0, code, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
-    with gzip.open(path, "wb") as fh:
-        fh.write(header + array.astype(np.uint8).tobytes())
-
-
 def _fake_mnist(directory: Path, labels_max: int = 9) -> Path:
     directory.mkdir()
     rng = np.random.default_rng(0)
     for prefix, n in (("train", 40), ("t10k", 20)):
-        _idx(directory / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
         labels = rng.integers(0, 10, n)
         labels[0] = labels_max
-        _idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
+        write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
     return directory
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import clipless as cl
-from clipless.data.datasets import clip_norm, normalize_to_sphere, read_idx
+from clipless.data.datasets import clip_norm, normalize_to_sphere, read_idx, write_idx
 
 
 def test_digits_embedded():
@@ -40,6 +40,11 @@ def test_read_idx_roundtrip(tmp_path):
     with gzip.open(path, "wb") as fh:
         fh.write(bytes([0, 0, 0x08, 3]) + struct.pack(">III", 2, 3, 4) + arr.tobytes())
     assert np.array_equal(read_idx(path), arr)
+    for name in ("y-idx3-ubyte.gz", "y-idx3-ubyte"):
+        write_idx(tmp_path / name, arr)
+        assert np.array_equal(read_idx(tmp_path / name), arr)
+    with pytest.raises(ValueError, match="0-255"):
+        write_idx(tmp_path / "z.gz", np.array([256]))
     bad = tmp_path / "bad.gz"
     with gzip.open(bad, "wb") as fh:
         fh.write(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + b"\x00" * 3)
@@ -135,12 +140,6 @@ def test_input_norms_and_histogram_figure(tmp_path):
     assert path.stat().st_size > 1000
 
 
-def _write_idx(path, array: np.ndarray) -> None:
-    with gzip.open(path, "wb") as fh:
-        fh.write(bytes([0, 0, 0x08, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
-                 + array.astype(np.uint8).tobytes())
-
-
 def test_any_idx_image_dataset(tmp_path):
     """Fashion-MNIST-style drop-ins load as mnist; other sizes, more classes, prefixed names (EMNIST) as idx."""
     from clipless.data import load_idx_images
@@ -149,8 +148,8 @@ def test_any_idx_image_dataset(tmp_path):
     d = tmp_path / "emnist"
     d.mkdir()
     for prefix, n in (("train", 30), ("test", 10)):
-        _write_idx(d / f"emnist-letters-{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 20, 24)))
-        _write_idx(d / f"emnist-letters-{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 27)
+        write_idx(d / f"emnist-letters-{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 20, 24)))
+        write_idx(d / f"emnist-letters-{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 27)
     data = cl.load_dataset("idx", d)
     assert data.name == "idx" and data.input_shape == (1, 20, 24) and data.num_classes == 27
     assert float(data.train.features.max()) <= 1.0 and len(data.test) == 10
@@ -158,6 +157,6 @@ def test_any_idx_image_dataset(tmp_path):
         cl.load_mnist(d)
     with pytest.raises(ValueError, match=r"labels outside 0-9 \(e.g. 26\)"):
         load_idx_images(d, "mnist", num_classes=10)
-    _write_idx(d / "other-train-images-idx3-ubyte.gz", rng.integers(0, 256, (3, 20, 24)))
+    write_idx(d / "other-train-images-idx3-ubyte.gz", rng.integers(0, 256, (3, 20, 24)))
     with pytest.raises(ValueError, match="several"):
         cl.load_dataset("idx", d)
