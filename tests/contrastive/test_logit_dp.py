@@ -3,6 +3,7 @@ sensitivity under add/remove of one pair (adversarial), Naive-DP's 2C, the train
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Dict, Tuple
 
@@ -402,3 +403,107 @@ def test_unknown_coupling_module_detected_on_the_exact_path() -> None:
     enc = nn.Sequential(nn.Linear(6, 8), MixBatch(), nn.Linear(8, 4))
     with pytest.raises(ValueError, match="depends on the other examples"):
         logit_dp_gradient(enc, torch.randn(5, 6), torch.randn(5, 6), "contrastive", 1.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tail path: layers whose output reaches the embedding through R diag(m) (issue 19)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tail_encoders():
+    """Encoders whose last two layers (or last layer) take the tail path, with every shape of tail."""
+    torch.manual_seed(3)
+    yield nn.Sequential(nn.Linear(7, 16), nn.ReLU(), nn.Linear(16, 5))  # both layers are tail layers
+    yield nn.Sequential(nn.Linear(7, 16, bias=False), nn.Tanh(), nn.Softplus(), nn.Linear(16, 5), nn.Flatten())
+    yield nn.Sequential(nn.Linear(7, 9), nn.GELU(), nn.Linear(9, 6), nn.Tanh())  # activation after the last layer
+    yield nn.Sequential(nn.Linear(7, 4))  # one layer: R = identity, m = 1
+    yield nn.Sequential(nn.Sequential(nn.Linear(7, 8), nn.ELU()), nn.Sequential(nn.Linear(8, 8), nn.SiLU()),
+                        nn.Linear(8, 3))  # nested containers and a deep first layer
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_tail_path_equals_autograd_and_the_jacobian_path(index: int) -> None:
+    enc = list(_tail_encoders())[index].double()
+    gen = torch.Generator().manual_seed(index)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.mul_(1 + 2 * index)  # large weights: large and small pair norms side by side
+    xa = torch.randn(6, 7, generator=gen, dtype=torch.float64)
+    xb = xa + 0.3 * torch.randn(6, 7, generator=gen, dtype=torch.float64)
+    xb[1] = xa[1]  # identical views: g_11 cancels exactly
+    xb[2] = -xa[2]  # opposite embeddings for the one-layer encoder: c = -1
+    brute = _pair_grads(enc, xa, xb)
+    expected = torch.tensor([[brute[i, j].norm() for j in range(6)] for i in range(6)], dtype=torch.float64)
+    for method in ("linear", "jacobian"):
+        norms = pair_gradient_norms(enc, xa, xb, method=method)
+        torch.testing.assert_close(norms**2, expected**2, rtol=1e-9, atol=1e-12 * float(expected.max()) ** 2)
+    assert float(expected[1, 1]) < 1e-6 * float(expected.max())
+
+
+def test_tail_path_is_taken_where_it_applies() -> None:
+    """The fast path is not silently skipped: the benchmark's MLP encoder never forms d x width blocks."""
+    from clipless.contrastive import logit_dp as ld
+
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
+    _, _, factors = ld._linear_factors(enc, torch.randn(4, 3, 4))
+    assert [f[0] for f in factors] == ["tail", "tail"]
+    deep = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 5))
+    _, _, factors = ld._linear_factors(deep, torch.randn(4, 12))
+    assert [f[0] for f in factors] == ["deep", "tail", "tail"]
+    ends_in_act = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5), nn.ReLU())
+    _, _, factors = ld._linear_factors(ends_in_act, torch.randn(4, 12))
+    assert [f[0] for f in factors] == ["deep", "tail"]  # D W D: not R diag(m)
+
+
+def test_zero_embedding_takes_the_exact_derivative() -> None:
+    """A final ReLU can output e = 0, where normalization is not (I - u u^T)/r: such a side falls back to the
+    autograd deltas, on one side only as well as on both."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3), nn.ReLU()).double()
+    pool = 3 * torch.randn(400, 4, dtype=torch.float64)
+    with torch.no_grad():
+        enc[2].bias.zero_()  # the three outputs all negative on some inputs
+        dead = enc(pool).abs().sum(1) == 0
+    assert 0 < int(dead.sum()) < 400
+    live = pool[~dead]
+    xa = torch.cat([pool[dead][:1], live[:4]])  # one zero embedding on side a
+    xb = live[4:9].clone()
+    from clipless.contrastive import logit_dp as ld
+
+    assert [f[0] for f in ld._linear_factors(enc, xa)[2]] == ["deep", "deep"]
+    assert [f[0] for f in ld._linear_factors(enc, xb)[2]] == ["deep", "tail"]
+    for a, b in ((xa, xb), (xb, xa), (xa, xa.flip(0))):
+        brute = _pair_grads(enc, a, b)
+        expected = torch.tensor([[brute[i, j].norm() for j in range(5)] for i in range(5)], dtype=torch.float64)
+        norms = pair_gradient_norms(enc, a, b, method="linear")
+        torch.testing.assert_close(norms**2, expected**2, rtol=1e-9, atol=1e-12 * float(expected.max()) ** 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tail_path_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> None:
+    """Float32 clip factors on the tail path against float64 brute force, with near-cancelling pairs
+    (identical or almost identical views), embeddings nearly parallel to R's columns and wide layers."""
+    torch.manual_seed(seed)
+    enc64 = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 6)).double()
+    with torch.no_grad():
+        enc64[2].weight.mul_(5.0 * (seed + 1))
+        if seed % 2:  # R's columns all along one direction: beta_i = R^T u_i nearly maximal
+            enc64[2].weight.copy_(torch.randn(6, 1, dtype=torch.float64) * torch.rand(1, 64, dtype=torch.float64))
+    enc32 = copy.deepcopy(enc64).float()
+    gen = torch.Generator().manual_seed(seed)
+    xa = torch.randn(8, 20, generator=gen)
+    xb = xa + 1e-4 * torch.randn(8, 20, generator=gen)
+    xb[::2] = xa[::2]
+    true = pair_gradient_norms(enc64, xa.double(), xb.double(), method="jacobian")
+    positive = true[true > 1e-3 * float(true.max())]
+    for clip in (1e-9 * float(true.max()), float(positive.min()), float(true.median()),
+                 float(true.max()) * (1 - 1e-7)):
+        factor = clip_factors(enc32, xa, xb, clip)
+        big = true > 1e-6 * float(true.max())  # below: the float64 reference is itself rounding noise
+        assert bool(((factor * true)[big] <= clip * (1 + 1e-9)).all())
+        # Nor does the margin over-clip the larger pairs of a generic layer.  With R of rank one (odd seeds) every
+        # embedding lies near R's direction and every pair norm is tiny against the margin's scale
+        # ||m||_inf^2 ||R||_F^2 ||h||^2 / r^2: there they are over-clipped, never under-clipped.
+        far = (true > 10 * clip) & (true > 0.01 * float(true.max()))
+        if seed % 2 == 0 and bool(far.any()):
+            assert float((factor * true)[far].min()) > 0.99 * clip

@@ -166,77 +166,180 @@ def _outer_product_path_applies(encoder: nn.Module) -> bool:
     return True
 
 
-def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch.Tensor, List[Tuple]]]:
-    """Normalized embeddings and, per ``nn.Linear``, ``(delta (n, d, out), inputs (n, in), has_bias)``.
+def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[Tuple]]]:
+    """Normalized embeddings ``u``, their norms ``r = ||e||`` before normalization, and per ``nn.Linear``:
 
-    ``delta[i, a] = d u_i[a] / d z_i`` for the layer's output ``z``; the Jacobian of ``u_i[a]`` w.r.t.
-    the weight is the outer product ``delta[i, a] h_i^T`` (and ``delta[i, a]`` for the bias).  Returns
-    ``None`` unless :func:`_outer_product_path_applies` and every layer runs once on ``(n, in)`` inputs:
-    the factorization would not hold otherwise.  The recorded output is not the tensor handed on (a
-    clone is), so in-place activations cannot overwrite it and skip their own derivative.
+    - ``("tail", h, has_bias, m, R)`` when the layer's output ``z`` reaches the embedding ``e`` through
+      elementwise activations and at most one more ``nn.Linear`` (weight ``R``; ``None`` for none), so that
+      ``de/dz = R diag(m_i)`` for a per-example vector ``m_i``: the last two layers of an MLP;
+    - ``("deep", h, has_bias, delta)`` otherwise, ``delta[i, a] = d u_i[a] / d z_i`` (``(n, d, out)``).
+
+    ``h`` is the layer's input; the Jacobian of ``u_i[a]`` w.r.t. the weight is the outer product
+    ``delta[i, a] h_i^T`` (and ``delta[i, a]`` for the bias).  Returns ``None`` unless
+    :func:`_outer_product_path_applies` and every layer runs once on ``(n, in)`` inputs: the factorization
+    would not hold otherwise.  The recorded output is not the tensor handed on (a clone is), so in-place
+    activations cannot overwrite it and skip their own derivative.
     """
     if not _outer_product_path_applies(encoder):
         return None
-    linears = [m for m in encoder.modules() if isinstance(m, nn.Linear)]
+    # Only Sequential containers, Linear layers and elementwise activations remain: the leaves in module
+    # order are the order of execution.
+    leaves = [m for m in encoder.modules() if not isinstance(m, nn.Sequential)]
+    where = [k for k, m in enumerate(leaves) if isinstance(m, nn.Linear)]
+    linears = [leaves[k] for k in where]
     if not linears:
         return None
-    records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {id(m): [] for m in linears}
+    records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {id(m): [] for m in linears}
 
     def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-        records[id(module)].append((args[0].detach().clone(), out))
+        records[id(module)].append((args[0].detach().clone(), args[0], out))
         return out.clone()
 
     handles = [m.register_forward_hook(hook) for m in linears]
     try:
         with torch.enable_grad():
-            u = normalized_embedding(encoder, x)
+            e = encoder(x)
     finally:
         for h in handles:
             h.remove()
-    if any(len(r) != 1 or r[0][0].dim() != 2 for r in records.values()):
+    if e.dim() != 2 or any(len(r) != 1 or r[0][0].dim() != 2 for r in records.values()):
         return None
-    outs = [records[id(m)][0][1] for m in linears]
-    n, d = u.shape
-    basis = torch.eye(d, dtype=u.dtype, device=u.device).unsqueeze(1).expand(d, n, d)
-    deltas = torch.autograd.grad(u, outs, grad_outputs=basis, is_grads_batched=True, allow_unused=True)
+    u = F.normalize(e, dim=1)
+    r = torch.linalg.vector_norm(e.detach(), dim=1)
+    outs = [records[id(m)][0][2] for m in linears]
+    last = len(linears) - 1
+    # de/dz_k = R diag(m): z_k is the last layer's output (R = identity), or the one before it when nothing
+    # but identity maps follows the last layer.  Embeddings near 0 (where normalization is not
+    # (I - u u^T) / r) take the general path.
+    plain_end = all(isinstance(m, (nn.Identity, nn.Flatten)) for m in leaves[where[-1] + 1:])
+    tail_ok = bool(r.numel() == 0 or r.min() > 1e-6)
+    kinds = []
+    for k, out in enumerate(outs):
+        target, weight = None, None
+        if tail_ok and k == last:
+            target = e
+        elif tail_ok and k == last - 1 and plain_end:
+            target, weight = records[id(linears[last])][0][1], linears[last].weight
+        if target is not None and target.shape == out.shape:
+            m = torch.autograd.grad(target, out, grad_outputs=torch.ones_like(target), retain_graph=True)[0]
+            kinds.append(("tail", m.detach(), None if weight is None else weight.detach()))
+        else:
+            kinds.append(None)
+    deep = [k for k, kind in enumerate(kinds) if kind is None]
+    deltas: Dict[int, torch.Tensor] = {}
+    if deep:
+        n, d = u.shape
+        basis = torch.eye(d, dtype=u.dtype, device=u.device).unsqueeze(1).expand(d, n, d)
+        grads = torch.autograd.grad(u, [outs[k] for k in deep], grad_outputs=basis, is_grads_batched=True,
+                                    allow_unused=True)
+        for k, delta in zip(deep, grads):
+            if delta is None:
+                delta = torch.zeros((d,) + tuple(outs[k].shape), dtype=outs[k].dtype, device=outs[k].device)
+            deltas[k] = delta.permute(1, 0, 2)
     factors = []
-    for m, delta, out in zip(linears, deltas, outs):
-        if delta is None:
-            delta = torch.zeros((d,) + tuple(out.shape), dtype=out.dtype, device=out.device)
-        factors.append((delta.permute(1, 0, 2), records[id(m)][0][0], m.bias is not None))
-    return u.detach(), factors
+    for k, (m, kind) in enumerate(zip(linears, kinds)):
+        h = records[id(m)][0][0]
+        bias = m.bias is not None
+        factors.append(("deep", h, bias, deltas[k]) if kind is None else ("tail", h, bias, kind[1], kind[2]))
+    return u.detach(), r, factors
+
+
+def _tail_layer_terms(fa: Tuple, fb: Tuple, u: torch.Tensor, v: torch.Tensor, ra: torch.Tensor,
+                      rb: torch.Tensor, c: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """One layer's share of ``||g_ij||^2`` when ``de/dz = R diag(m)`` on both sides, by ``n x n`` products.
+
+    With ``M_i = (I - u_i u_i^T) / r_i`` (the derivative of normalization), ``alpha_j = R^T v_j``,
+    ``beta_i = R^T u_i`` and ``c_ij = u_i . v_j``: ``J_i^T v_j = m_i * (alpha_j - c_ij beta_i) / r_i`` and
+    ``J'_j^T u_i = m'_j * (beta_i - c_ij alpha_j) / r'_j``.  Expanding the squares and the cross product
+    leaves sums over the layer's width of per-example vectors, i.e. matrix products: ``O(n^2 width)``
+    instead of ``O(n^2 d width)``.  Returns the ``n x n`` part, the per-example coefficients of ``c_ij^2``
+    (added once for all layers by the caller) and ``S_i = ||m_i||_inf^2 ||R||_F^2 (||h_i||^2 + [bias]) /
+    r_i^2``, which bounds the expansions' absolute terms: ``4 S_i`` for ``A``, ``4 sqrt(S_i S'_j)`` for ``C``.
+    """
+    _, ha, bias, ma, weight = fa
+    _, hb, _, mb, _ = fb
+    alpha, beta = (v, u) if weight is None else (v @ weight, u @ weight)
+    rho2 = float(u.shape[1]) if weight is None else float(weight.double().square().sum())
+    fa_ = ((ha * ha).sum(1) + float(bias)) / (ra * ra)  # A's row factor ||h_i||^2 / r_i^2
+    fb_ = ((hb * hb).sum(1) + float(bias)) / (rb * rb)
+    wa, wb = ma * ma * fa_[:, None], mb * mb * fb_[:, None]
+    # A + B = [S1 + T1] - 2c [S2 + T2] + c^2 [s3_i + t3_j], each bracket one product over 2 x width.
+    total = torch.cat([wa, beta * beta], 1) @ torch.cat([alpha * alpha, wb], 1).T
+    total.sub_(2 * c * (torch.cat([wa * beta, beta], 1) @ torch.cat([alpha, wb * alpha], 1).T))
+    squares_a, squares_b = (wa * beta * beta).sum(1), (wb * alpha * alpha).sum(1)
+    # 2C = 2 (h_i . h'_j + b) [(1 + c^2) X1 - c (X2 + X3)] / (r_i r'_j)
+    sa, sb = ma / ra[:, None], mb / rb[:, None]
+    x1 = (sa * beta) @ (sb * alpha).T
+    x23 = torch.cat([sa, sa * beta * beta], 1) @ torch.cat([sb * alpha * alpha, sb], 1).T
+    cross = x1.mul_(1 + c * c).sub_(c * x23)
+    total.addcmul_(cross, ha @ hb.T + float(bias), value=2.0)
+    scale_a = ma.abs().amax(1).square() * rho2 * fa_
+    scale_b = mb.abs().amax(1).square() * rho2 * fb_
+    return total, squares_a, squares_b, scale_a, scale_b
 
 
 def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor, v: torch.Tensor,
-                               block: int) -> Tuple[torch.Tensor, ...]:
-    """``A_ij = v_j^T J_i J_i^T v_j``, ``B_ij = u_i^T J'_j J'_j^T u_i``, ``C_ij = v_j^T J_i J'_j^T u_i``.
+                               ra: torch.Tensor, rb: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``||g_ij||^2 = A_ij + 2 C_ij + B_ij`` with ``A_ij = v_j^T J_i J_i^T v_j``, ``B_ij = u_i^T J'_j J'_j^T u_i``,
+    ``C_ij = v_j^T J_i J'_j^T u_i``, and a bound on its rounding.
 
-    Per layer, ``J_i[a] . J'_j[b] = (delta_i[a] . delta'_j[b]) (h_i . h'_j + [bias])``.  The cross term is
-    contracted with ``v_j`` and ``u_i`` before the ``d x d`` block is formed:
-    ``C_ij = sum_layers (h_i . h'_j + 1) <delta_i^T v_j, delta'_j^T u_i>``, in blocks of ``block`` rows, so
-    the work is ``O(n^2 d width)`` and the memory ``O(block n width)``.
+    Per layer, ``J_i[a] . J'_j[b] = (delta_i[a] . delta'_j[b]) (h_i . h'_j + [bias])``.  Tail layers take
+    :func:`_tail_layer_terms`.  For deep layers the cross term is contracted with ``v_j`` and ``u_i`` before
+    the ``d x d`` block is formed: ``C_ij = sum_layers (h_i . h'_j + 1) <delta_i^T v_j, delta'_j^T u_i>``,
+    in blocks of ``block`` rows, so the work is ``O(n^2 d width)`` and the memory ``O(block n width)``.
+
+    Rounding: each of ``A``, ``B``, ``C`` is a sum of products through at most ``K`` roundings, so its error
+    is at most ``gamma_K`` times its terms' absolute sum.  Deep layers: that sum is at most
+    ``||J_i||_F^2 + ||J'_j||_F^2`` (:func:`_rounding_margin`).  Tail layers: ``4 S_i + 4 (S_i + S'_j) +
+    4 S'_j`` for ``A + 2C + B``, twice what the margin's factor 4 covers, hence the factor 2 on ``S``.
     """
     n, d = u.shape
-    A = u.new_zeros(n, n)
-    B = u.new_zeros(n, n)
-    C = u.new_zeros(n, n)
-    trace_a, trace_b = u.new_zeros(n), u.new_zeros(n)
-    for (da, ha, bias), (db, hb, _) in zip(fa, fb):
+    total = u.new_zeros(n, n)
+    squares_a, squares_b = u.new_zeros(n), u.new_zeros(n)
+    scale_a, scale_b = u.new_zeros(n), u.new_zeros(n)
+    c = u @ v.T
+    length = 2 * d + len(fa) + 16
+    for layer_a, layer_b in zip(fa, fb):
+        ha, hb = layer_a[1], layer_b[1]
+        if layer_a[0] == "tail" and layer_b[0] == "tail":
+            part, sq_a, sq_b, s_a, s_b = _tail_layer_terms(layer_a, layer_b, u, v, ra, rb, c)
+            total += part
+            squares_a += sq_a
+            squares_b += sq_b
+            scale_a += 2 * s_a
+            scale_b += 2 * s_b
+            length += ha.shape[1] + 2 * layer_a[3].shape[1] + 2 * d + 8  # sums over 2 x width in the products
+            continue
+        da, db = _deltas(layer_a, u, ra), _deltas(layer_b, v, rb)
+        bias = layer_a[2]
         width = da.shape[2]
+        length += ha.shape[1] + width + d * d + 2
         gram_aa = torch.einsum("iao,ibo->iab", da, da) * ((ha * ha).sum(1) + float(bias))[:, None, None]
         gram_bb = torch.einsum("jao,jbo->jab", db, db) * ((hb * hb).sum(1) + float(bias))[:, None, None]
-        A += torch.einsum("iab,ja,jb->ij", gram_aa, v, v)
-        B += torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
-        trace_a += torch.einsum("iaa->i", gram_aa)
-        trace_b += torch.einsum("jaa->j", gram_bb)
+        total += torch.einsum("iab,ja,jb->ij", gram_aa, v, v)
+        total += torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
+        scale_a += torch.einsum("iaa->i", gram_aa)
+        scale_b += torch.einsum("jaa->j", gram_bb)
         h_cross = ha @ hb.T + float(bias)
         db_flat = db.permute(1, 0, 2).reshape(d, n * width)
         for start in range(0, n, block):
             rows = slice(start, min(n, start + block))
             da_v = torch.matmul(v, da[rows])  # (m, n, width): delta_i^T v_j
             db_u = (u[rows] @ db_flat).reshape(-1, n, width)  # delta'_j^T u_i
-            C[rows] += h_cross[rows] * (da_v * db_u).sum(-1)
-    return A, B, C, trace_a, trace_b
+            total[rows] += 2 * h_cross[rows] * (da_v * db_u).sum(-1)
+    total.addcmul_(c * c, squares_a[:, None] + squares_b[None, :])
+    slack = _rounding_margin(length, total.dtype) * (scale_a[:, None] + scale_b[None, :])
+    return total, slack
+
+
+def _deltas(layer: Tuple, u: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``delta[i, a] = d u_i[a] / d z_i``, ``(n, d, width)``; for a tail layer ``M_i R diag(m_i)``."""
+    if layer[0] == "deep":
+        return layer[3]
+    _, _, _, m, weight = layer
+    eye = torch.eye(u.shape[1], dtype=u.dtype, device=u.device)
+    proj = (eye - u[:, :, None] * u[:, None, :]) / r[:, None, None]
+    return (proj if weight is None else proj @ weight) * m[:, None, :]
 
 
 def _rounding_margin(accumulation_length: int, dtype: torch.dtype) -> float:
@@ -297,8 +400,8 @@ def pair_gradient_norms(
     ``"auto"`` takes the first that applies.  The values are over-estimated by a rounding margin only
     when used for clipping (:func:`logit_dp_gradient`), not here.
     """
-    A, B, C, _ = _gram_terms(encoder, xa, xb, method, block, chunk)
-    return (A + 2.0 * C + B).double().clamp_min(0.0).sqrt()
+    squared, _ = _gram_terms(encoder, xa, xb, method, block, chunk)
+    return squared.double().clamp_min(0.0).sqrt()
 
 
 def _check_per_example(encoder: nn.Module) -> None:
@@ -325,13 +428,12 @@ def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: 
         fac_a = _linear_factors(encoder, xa)
         fac_b = _linear_factors(encoder, xb) if fac_a is not None else None
         if fac_a is not None and fac_b is not None:
-            u, fa = fac_a
-            v, fb = fac_b
-            A, B, C, trace_a, trace_b = _terms_from_linear_factors(fa, fb, u, v, block)
-            d = u.shape[1]
-            length = sum(h.shape[1] + da.shape[2] + 2 for da, h, _ in fa) + d * d + 2 * d + len(fa)
-            slack = _rounding_margin(length, A.dtype) * (trace_a[:, None] + trace_b[None, :])
-            return A, B, C, slack
+            u, ra, fa = fac_a
+            v, rb, fb = fac_b
+            if [f[0] for f in fa] != [f[0] for f in fb]:  # an embedding near 0 on one side only
+                fa = [f if f[0] == "deep" else ("deep", f[1], f[2], _deltas(f, u, ra)) for f in fa]
+                fb = [f if f[0] == "deep" else ("deep", f[1], f[2], _deltas(f, v, rb)) for f in fb]
+            return _terms_from_linear_factors(fa, fb, u, v, ra, rb, block)
         if method == "linear":
             raise ValueError("method='linear' needs an encoder whose parameters all belong to nn.Linear layers "
                              "applied once to (batch, features) inputs; use method='jacobian'")
@@ -351,8 +453,8 @@ def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: 
         C[rows] = torch.einsum("ijab,ja,ib->ij", gram_ab, v, u[rows])
     d = ja.shape[1]
     trace_a, trace_b = torch.einsum("iaa->i", gram_aa), torch.einsum("jaa->j", gram_bb)
-    slack = _rounding_margin(ja.shape[2] + d * d + 2 * d, A.dtype) * (trace_a[:, None] + trace_b[None, :])
-    return A, B, C, slack
+    slack = _rounding_margin(ja.shape[2] + d * d + 2 * d + 4, A.dtype) * (trace_a[:, None] + trace_b[None, :])
+    return A + 2.0 * C + B, slack
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -378,8 +480,8 @@ def clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_no
                  method: str = "auto", block: int = 256) -> torch.Tensor:
     """``min(1, B / ||g_ij||)`` for all pairs (float64), with ``||g_ij||`` over-estimated by a bound on
     the rounding of ``A + 2C + B`` so that no clipped pair gradient exceeds ``B``."""
-    A, B, C, slack = _gram_terms(encoder, xa, xb, method, block, chunk=64)
-    norms = (A + 2.0 * C + B + slack).double().clamp_min(0.0).sqrt()
+    squared, slack = _gram_terms(encoder, xa, xb, method, block, chunk=64)
+    norms = (squared.double() + slack.double()).clamp_min(0.0).sqrt()
     return torch.clamp(clip_norm / norms.clamp_min(1e-300), max=1.0)
 
 
