@@ -507,3 +507,55 @@ def test_tail_path_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -
         far = (true > 10 * clip) & (true > 0.01 * float(true.max()))
         if seed % 2 == 0 and bool(far.any()):
             assert float((factor * true)[far].min()) > 0.99 * clip
+
+
+@pytest.mark.parametrize("n", [257, 1024])
+def test_tail_path_at_large_batches_on_sampled_pairs(n: int) -> None:
+    """At the batch sizes of training, sampled pair norms (the identical-view diagonal included) equal
+    brute-force autograd, and the clipped pairs stay within B."""
+    torch.manual_seed(n)
+    enc = nn.Sequential(nn.Linear(10, 24), nn.ReLU(), nn.Linear(24, 6)).double()
+    gen = torch.Generator().manual_seed(n)
+    xa = torch.randn(n, 10, generator=gen, dtype=torch.float64)
+    xb = xa + 0.2 * torch.randn(n, 10, generator=gen, dtype=torch.float64)
+    xb[: n // 4] = xa[: n // 4]
+    norms = pair_gradient_norms(enc, xa, xb, method="linear")
+    clip = float(norms.median())
+    factor = clip_factors(enc, xa, xb, clip, method="linear")
+    rows = torch.randint(0, n, (30,), generator=gen).tolist() + [0, 1, n - 1]
+    cols = torch.randint(0, n, (30,), generator=gen).tolist() + [0, n - 1, 1]
+    params = list(enc.parameters())
+    for i, j in zip(rows, cols):
+        c = (normalized_embedding(enc, xa[i : i + 1]) * normalized_embedding(enc, xb[j : j + 1])).sum()
+        true = float(torch.cat([g.flatten() for g in torch.autograd.grad(c, params)]).norm())
+        assert abs(float(norms[i, j]) ** 2 - true**2) <= 1e-10 * float(norms.max()) ** 2
+        assert float(factor[i, j]) * true <= clip * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("loss,tau", [("contrastive", 0.5), ("contrastive", 2.0), ("spreadout", 1.0)])
+def test_sensitivity_holds_at_batch_1024(loss: str, tau: float) -> None:
+    """Add/remove one pair from a batch of 1024 (the removed pair chosen adversarially: the largest row of
+    clipped weights, an identical-view pair and a repeated example) moves gbar by at most the bound."""
+    n = 1024
+    torch.manual_seed(5)
+    enc = nn.Sequential(nn.Linear(10, 24), nn.ReLU(), nn.Linear(24, 6)).double()
+    gen = torch.Generator().manual_seed(6)
+    xa = torch.randn(n, 10, generator=gen, dtype=torch.float64)
+    xb = xa + 0.1 * torch.randn(n, 10, generator=gen, dtype=torch.float64)
+    xa[1:9] = xa[0]  # a repeated example
+    xb[1:9] = xb[0]
+    xb[20] = xa[20]
+    clip = 0.05
+    full = _gbar(enc, xa, xb, loss, tau, clip)
+    bound = logit_dp_sensitivity(clip, tau, loss, batch_size=n)
+    with torch.no_grad():
+        weights = logit_gradient(similarity_logits(normalized_embedding(enc, xa), normalized_embedding(enc, xb), tau),
+                                 loss).abs()
+    worst_row = int((weights.sum(1) + weights.sum(0)).argmax())
+    worst = 0.0
+    for k in {worst_row, 0, 20, n - 1}:
+        keep = [i for i in range(n) if i != k]
+        ratio = float((full - _gbar(enc, xa[keep], xb[keep], loss, tau, clip)).norm()) / bound
+        worst = max(worst, ratio)
+        assert ratio <= 1 + 1e-9, (k, ratio)
+    assert worst > 5e-3  # the removals probe the bound (0.009-0.15 of it here), not a vacuous corner
