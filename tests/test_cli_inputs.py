@@ -252,3 +252,22 @@ def test_every_shipped_recipe_is_a_valid_config() -> None:
     for path in recipes:
         config = validate(_read_yaml(str(path)), f" (in {path})")
         assert config["epsilon"] > 0 and "dataset" in config
+
+
+def test_loss_gradient_clip_can_be_turned_off_from_flags(tmp_path) -> None:
+    """The default clip (0.25) is switched off by --no-loss-grad-clip, over a YAML value too; giving both flags
+    is refused."""
+    from clipless.cli import _parser, resolve_config
+
+    def config(*argv: str) -> dict:
+        args = _parser().parse_args(["train", "--epsilon", "1", *argv])
+        return resolve_config(args)
+
+    assert config()["loss_grad_clip"] == 0.25
+    assert config("--loss-grad-clip", "0.5")["loss_grad_clip"] == 0.5
+    assert config("--no-loss-grad-clip")["loss_grad_clip"] is None
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("loss-grad-clip: 0.1\n")
+    assert config("--config", str(recipe), "--no-loss-grad-clip")["loss_grad_clip"] is None
+    with pytest.raises(SystemExit):
+        config("--loss-grad-clip", "0.5", "--no-loss-grad-clip")

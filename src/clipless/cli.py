@@ -203,8 +203,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
     p.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
     p.add_argument("--tau", type=float, help="temperature of tau_ce")
-    p.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C)); "
-                   "default 0.25 (null in a YAML file turns it off)")
+    clip = p.add_mutually_exclusive_group()
+    clip.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C)); "
+                      "default 0.25 (--no-loss-grad-clip, or null in a YAML file, turns it off)")
+    clip.add_argument("--no-loss-grad-clip", action="store_true", help="no loss-gradient clip (the model's bound alone)")
     p.add_argument("--adaptive-clip-quantile", type=float,
                    help="make the loss-gradient clip adaptive: C tracks this private quantile of the logit "
                    "gradient norms (Andrew et al.), starting at --loss-grad-clip; its cost enters epsilon")
@@ -331,6 +333,8 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
         config.update(validate(loaded, f" (in {args.config})"))
         explicit |= set(loaded)
     flags = {key: value for key, value in vars(args).items() if key in DEFAULTS and value is not None}
+    if getattr(args, "no_loss_grad_clip", False):
+        flags["loss_grad_clip"] = None
     config.update(validate(flags))
     explicit |= set(flags)
     if config["epsilon"] is None and config["noise_multiplier"] is None:
