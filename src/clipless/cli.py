@@ -204,9 +204,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
     p.add_argument("--tau", type=float, help="temperature of tau_ce")
     clip = p.add_mutually_exclusive_group()
-    clip.add_argument("--loss-grad-clip", type=float, help="clip each example's logit gradient to C (L -> min(L, C)); "
-                      "default 0.25 (--no-loss-grad-clip, or null in a YAML file, turns it off)")
-    clip.add_argument("--no-loss-grad-clip", action="store_true", help="no loss-gradient clip (the model's bound alone)")
+    clip.add_argument("--loss-grad-clip", type=float,
+                      help="clip each example's logit gradient to C (L -> min(L, C)); default 0.25 "
+                      "(--no-loss-grad-clip, or null in a YAML file, turns it off)")
+    clip.add_argument("--no-loss-grad-clip", action="store_true",
+                      help="no loss-gradient clip (the model's bound alone)")
     p.add_argument("--adaptive-clip-quantile", type=float,
                    help="make the loss-gradient clip adaptive: C tracks this private quantile of the logit "
                    "gradient norms (Andrew et al.), starting at --loss-grad-clip; its cost enters epsilon")
