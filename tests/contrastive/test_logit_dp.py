@@ -419,9 +419,11 @@ def _tail_encoders():
     yield nn.Sequential(nn.Linear(7, 4))  # one layer: R = identity, m = 1
     yield nn.Sequential(nn.Sequential(nn.Linear(7, 8), nn.ELU()), nn.Sequential(nn.Linear(8, 8), nn.SiLU()),
                         nn.Linear(8, 3))  # nested containers and a deep first layer
+    shared = nn.Tanh()  # one activation module called twice: module order alone would hide the second call
+    yield nn.Sequential(nn.Linear(7, 9), shared, nn.Linear(9, 4), shared)
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_tail_path_equals_autograd_and_the_jacobian_path(index: int) -> None:
     enc = list(_tail_encoders())[index].double()
     gen = torch.Generator().manual_seed(index)

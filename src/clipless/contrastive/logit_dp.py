@@ -182,20 +182,21 @@ def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch
     """
     if not _outer_product_path_applies(encoder):
         return None
-    # Only Sequential containers, Linear layers and elementwise activations remain: the leaves in module
-    # order are the order of execution.
     leaves = [m for m in encoder.modules() if not isinstance(m, nn.Sequential)]
-    where = [k for k, m in enumerate(leaves) if isinstance(m, nn.Linear)]
-    linears = [leaves[k] for k in where]
+    linears = [m for m in leaves if isinstance(m, nn.Linear)]
     if not linears:
         return None
     records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {id(m): [] for m in linears}
+    # The order in which the leaves run (an activation module may be called more than once): with only
+    # Sequential containers, Linear layers and elementwise activations, this sequence is the whole graph.
+    calls: List[nn.Module] = []
 
     def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
         records[id(module)].append((args[0].detach().clone(), args[0], out))
         return out.clone()
 
     handles = [m.register_forward_hook(hook) for m in linears]
+    handles += [m.register_forward_pre_hook(lambda module, args: calls.append(module)) for m in leaves]
     try:
         with torch.enable_grad():
             e = encoder(x)
@@ -211,7 +212,8 @@ def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch
     # de/dz_k = R diag(m): z_k is the last layer's output (R = identity), or the one before it when nothing
     # but identity maps follows the last layer.  Embeddings near 0 (where normalization is not
     # (I - u u^T) / r) take the general path.
-    plain_end = all(isinstance(m, (nn.Identity, nn.Flatten)) for m in leaves[where[-1] + 1:])
+    after_last = calls[max(k for k, m in enumerate(calls) if m is linears[last]) + 1:]
+    plain_end = all(isinstance(m, (nn.Identity, nn.Flatten)) for m in after_last)
     tail_ok = bool(r.numel() == 0 or r.min() > 1e-6)
     kinds = []
     for k, out in enumerate(outs):
