@@ -281,6 +281,27 @@ def test_knn_and_probe_accuracy_above_chance() -> None:
     assert linear_probe_accuracy(enc, data.train, data.test) > 0.6
 
 
+def test_few_label_probe_draws_k_labels_per_class() -> None:
+    from clipless.contrastive.evaluation import evaluate_encoder, few_label_indices, few_label_probe_accuracy
+
+    labels = torch.arange(10).repeat(30)[torch.randperm(300, generator=torch.Generator().manual_seed(0))]
+    picked = few_label_indices(labels, 4, seed=1)
+    assert torch.bincount(labels[picked], minlength=10).tolist() == [4] * 10
+    assert torch.equal(picked, few_label_indices(labels, 4, seed=1))
+    assert not torch.equal(picked, few_label_indices(labels, 4, seed=2))
+    assert len(few_label_indices(labels, 100, seed=0)) == 300  # a class with fewer records gives all of them
+    with pytest.raises(ValueError, match="per_class"):
+        few_label_indices(labels, 0, seed=0)
+    data, _ = _digits_pairs()
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 32))
+    one = few_label_probe_accuracy(enc, data.train, data.test, per_class=1)
+    many = few_label_probe_accuracy(enc, data.train, data.test, per_class=50)
+    assert 0.2 < one < many  # above chance (0.1) with one label per class, better with more
+    result = evaluate_encoder(enc, data.test, per_class=(2,))
+    assert set(result) >= {"knn3_accuracy", "linear_probe_accuracy", "probe_2_per_class"}
+
+
 def test_checkpoint_keeps_accountant(tmp_path) -> None:
     t = _trainer("logit_dp", epochs=2)
     t.epochs = 1

@@ -3,7 +3,7 @@ linear probe, each trained and measured on halves of the test split."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from ..train.evaluation import collect_outputs
 from .logit_dp import normalized_embedding
 
-__all__ = ["embed", "knn_accuracy", "linear_probe_accuracy", "evaluate_encoder"]
+__all__ = ["embed", "knn_accuracy", "linear_probe_accuracy", "few_label_probe_accuracy", "evaluate_encoder"]
 
 
 @torch.no_grad()
@@ -54,8 +54,35 @@ def linear_probe_accuracy(encoder: nn.Module, train: Dataset, test: Dataset, epo
         return float((head(te_x).argmax(1) == te_y).double().mean())
 
 
-def evaluate_encoder(encoder: nn.Module, test: Dataset) -> Dict[str, Any]:
-    """kNN (k=3) and linear-probe accuracy measured on the public test split alone.
+def few_label_indices(labels: torch.Tensor, per_class: int, seed: int) -> torch.Tensor:
+    """``per_class`` random indices of each class present in ``labels`` (all of a class if it has fewer)."""
+    if per_class < 1:
+        raise ValueError(f"per_class must be >= 1, got {per_class}")
+    gen = torch.Generator().manual_seed(seed)
+    picks = []
+    for c in torch.unique(labels):
+        members = torch.nonzero(labels == c).flatten()
+        picks.append(members[torch.randperm(len(members), generator=gen)[:per_class]])
+    return torch.cat(picks).sort().values
+
+
+def few_label_probe_accuracy(encoder: nn.Module, reference: Dataset, queries: Dataset, per_class: int,
+                             draws: int = 3, seed: int = 0) -> float:
+    """Mean over ``draws`` random labelled subsets of :func:`linear_probe_accuracy` with ``per_class`` labels
+    of each class from ``reference`` (the semi-supervised setting where pre-training should pay off)."""
+    from torch.utils.data import Subset
+
+    labels = torch.as_tensor([int(reference[i][1]) for i in range(len(reference))])  # type: ignore[arg-type]
+    scores = []
+    for draw in range(draws):
+        subset = Subset(reference, few_label_indices(labels, per_class, seed + draw).tolist())
+        scores.append(linear_probe_accuracy(encoder, subset, queries, seed=seed + draw))
+    return sum(scores) / len(scores)
+
+
+def evaluate_encoder(encoder: nn.Module, test: Dataset, per_class: Tuple[int, ...] = ()) -> Dict[str, Any]:
+    """kNN (k=3) and linear-probe accuracy measured on the public test split alone, and with ``per_class``
+    the few-label probe accuracies ``probe_<k>_per_class`` (:func:`few_label_probe_accuracy`).
 
     Its even records are the kNN reference set and the probe's training set, its odd records the queries:
     the pre-training records never enter a released number (spec §7).
@@ -63,6 +90,9 @@ def evaluate_encoder(encoder: nn.Module, test: Dataset) -> Dict[str, Any]:
     from torch.utils.data import Subset
 
     reference, queries = Subset(test, range(0, len(test), 2)), Subset(test, range(1, len(test), 2))  # type: ignore[arg-type]
-    return {"knn3_accuracy": knn_accuracy(encoder, reference, queries, k=3),
-            "linear_probe_accuracy": linear_probe_accuracy(encoder, reference, queries),
-            "evaluation": "test split halves (even records: reference / probe training; odd records: queries)"}
+    result: Dict[str, Any] = {"knn3_accuracy": knn_accuracy(encoder, reference, queries, k=3),
+                              "linear_probe_accuracy": linear_probe_accuracy(encoder, reference, queries)}
+    for k in per_class:
+        result[f"probe_{k}_per_class"] = few_label_probe_accuracy(encoder, reference, queries, k)
+    result["evaluation"] = "test split halves (even records: reference / probe training; odd records: queries)"
+    return result
