@@ -290,6 +290,9 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--lr", type=float, default=1e-3)
     pre.add_argument("--crop-padding", type=int, help="random-crop shift in pixels (default 2 for mnist, 1 for digits)")
     pre.add_argument("--no-flip", dest="flip", action="store_false", help="no random horizontal flips")
+    pre.add_argument("--probe-labels", type=int, nargs="*", default=[], metavar="K",
+                     help="also report linear probes trained on K labels per class of the test split's labelled "
+                     "half, e.g. --probe-labels 10 100 (benchmarks/logit_dp_probe.py)")
     pre.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
     pre.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     pre.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP + " (augmentations of the pairs too)")
@@ -636,6 +639,8 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     from .train.baselines import standard_cnn, standard_mlp
 
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
+    if any(k < 1 for k in args.probe_labels):
+        raise SystemExit(f"--probe-labels: each count must be >= 1, got {args.probe_labels}")
     if seed is not None:
         torch.manual_seed(seed)
     if args.dataset == "mnist" and not args.data_dir:
@@ -667,7 +672,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     prepare_output_dir(out_dir)
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
-                   **evaluate_encoder(encoder, data.test)})
+                   **evaluate_encoder(encoder, data.test, per_class=tuple(args.probe_labels))})
     from .train.checkpoint import write_atomically
 
     buffer = io.BytesIO()
@@ -819,7 +824,9 @@ def _run(args: argparse.Namespace) -> int:
                    f"sigma {result['noise_multiplier']:.3f}, sensitivity {result['sensitivity']:.3g}")
         losses = [h["eval_loss"] for h in result["history"]]
         print(f"{result['dataset']} [{result['method']} {result['loss']}]: kNN(3) accuracy "
-              f"{result['knn3_accuracy']:.4f}, linear probe {result['linear_probe_accuracy']:.4f}, held-out loss "
+              f"{result['knn3_accuracy']:.4f}, linear probe {result['linear_probe_accuracy']:.4f}"
+              + "".join(f", probe with {k} labels/class {result[f'probe_{k}_per_class']:.4f}"
+                        for k in args.probe_labels) + ", held-out loss "
               f"{losses[0]:.4f} -> {losses[-1]:.4f}, {privacy}, {result['steps']} steps, "
               f"{result['wall_time_s']:.1f}s; {_privacy_status(result)}; "
               f"result in {Path(args.output_dir) / 'result.json'}")

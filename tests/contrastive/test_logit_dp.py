@@ -343,13 +343,17 @@ def test_bad_input_errors() -> None:
 def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",
-                     "--accountant", "rdp", "--no-progress", "--output-dir", str(out)]) == 0
+                     "--accountant", "rdp", "--no-progress", "--output-dir", str(out), "--probe-labels", "5"]) == 0
     text = capsys.readouterr().out
-    assert "kNN(3) accuracy" in text and "epsilon" in text
+    assert "kNN(3) accuracy" in text and "epsilon" in text and "probe with 5 labels/class" in text
     import json
 
     result = json.loads((out / "result.json").read_text())
     assert result["epsilon"] <= 5.0 and result["method"] == "logit_dp" and (out / "encoder.pt").exists()
+    assert 0.1 < result["probe_5_per_class"] <= 1.0
+    with pytest.raises(SystemExit, match="--probe-labels"):
+        cli_main(["pretrain", "--probe-labels", "0", "--output-dir", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()  # refused before anything ran or was written
 
 
 # ---------------------------------------------------------------------------------------------------
