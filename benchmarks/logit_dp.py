@@ -65,22 +65,27 @@ def plot(results: list, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def add_pretraining_options(parser: argparse.ArgumentParser, batch_size, epochs, crop_padding) -> None:
+    """The pre-training settings shared by the Logit-DP benchmarks (``None`` defaults: chosen per dataset)."""
+    parser.add_argument("--epsilon", type=float, default=5.0)
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--batch-size", type=float, default=batch_size, help="expected Poisson batch (pairs)")
+    parser.add_argument("--epochs", type=int, default=epochs)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--tau", type=float, default=1.0)
+    parser.add_argument("--clip-logit", type=float, default=1.0, help="B of Logit-DP (per pair-similarity gradient)")
+    parser.add_argument("--clip-naive", type=float, default=1.0, help="C of Naive-DP (whole batch gradient)")
+    parser.add_argument("--hidden", type=int, nargs="*", default=[256])
+    parser.add_argument("--embedding-dim", type=int, default=32)
+    parser.add_argument("--crop-padding", type=int, default=crop_padding, help="random-crop shift in pixels")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--methods", nargs="*", default=["logit_dp", "naive_dp", "nonprivate"])
     parser.add_argument("--loss", default="contrastive", choices=["contrastive", "spreadout"])
-    parser.add_argument("--epsilon", type=float, default=5.0)
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--batch-size", type=float, default=512)
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--tau", type=float, default=1.0)
-    parser.add_argument("--clip-logit", type=float, default=1.0, help="B of Logit-DP")
-    parser.add_argument("--clip-naive", type=float, default=1.0, help="C of Naive-DP")
-    parser.add_argument("--hidden", type=int, nargs="*", default=[256])
-    parser.add_argument("--embedding-dim", type=int, default=32)
-    parser.add_argument("--crop-padding", type=int, default=2)
+    add_pretraining_options(parser, batch_size=512, epochs=5, crop_padding=2)
     parser.add_argument("--no-flip", dest="flip", action="store_false")
     parser.add_argument("--eval-size", type=int, default=4096, help="held-out test images for the loss curve")
     parser.add_argument("--seed", type=int, default=0)

@@ -15,8 +15,8 @@ Protocol:
 3. Each method runs once per ``--seeds`` value (encoder initialization and augmentation keys). Private noise
    comes from OS entropy. The table gives mean +- sd.
 
-Nothing here was tuned: the settings are the defaults of ``benchmarks/logit_dp.py`` without flips, and
-``--epochs 5``.  Writes JSON and a figure beside it.
+Nothing here was tuned: the settings are those of the loss-curve run of ``benchmarks/logit_dp.py`` in
+docs/results.md (batch 1024), without flips, for 5 epochs.  Writes JSON and a figure beside it.
 """
 
 from __future__ import annotations
@@ -86,17 +86,12 @@ def main() -> None:
     p.add_argument("--data-dir", default="../shared/data/mnist")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--epsilon", type=float, default=5.0)
-    p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--batch-size", type=float, help="expected batch (default 1024 on MNIST, 256 on digits)")
-    p.add_argument("--epochs", type=int, help="default 5 on MNIST, 30 on digits")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--tau", type=float, default=1.0)
-    p.add_argument("--clip-logit", type=float, default=1.0, help="B of Logit-DP (per pair-similarity gradient)")
-    p.add_argument("--clip-naive", type=float, default=1.0, help="C of Naive-DP (whole batch gradient)")
-    p.add_argument("--hidden", type=int, nargs="*", default=[256])
-    p.add_argument("--embedding-dim", type=int, default=32)
-    p.add_argument("--crop-padding", type=int, help="default 2 on MNIST, 1 on digits")
+    # batch, epochs and crop default per dataset: 1024, 5 and 2 on MNIST; 256, 30 and 1 on digits
+    sys.path.insert(0, str(Path(__file__).parent))
+    from logit_dp import add_pretraining_options
+    from report import print_table, write_json
+
+    add_pretraining_options(p, batch_size=None, epochs=None, crop_padding=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/logit_dp_probe.json")
     args = p.parse_args()
@@ -105,8 +100,6 @@ def main() -> None:
     args.batch_size = args.batch_size or (1024.0 if mnist else 256.0)
     args.epochs = args.epochs or (5 if mnist else 30)
     args.crop_padding = args.crop_padding if args.crop_padding is not None else (2 if mnist else 1)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from report import print_table, write_json
 
     from clipless.data.datasets import load_digits, load_mnist
 

@@ -38,8 +38,12 @@ def linear_probe_accuracy(encoder: nn.Module, train: Dataset, test: Dataset, epo
 
     Full-batch Adam on the cross-entropy; the head is trained without privacy (an evaluation protocol).
     """
-    tr_x, tr_y = embed(encoder, train)
-    te_x, te_y = embed(encoder, test)
+    return _probe_accuracy(*embed(encoder, train), *embed(encoder, test), epochs, lr, hidden, seed)
+
+
+def _probe_accuracy(tr_x: torch.Tensor, tr_y: torch.Tensor, te_x: torch.Tensor, te_y: torch.Tensor, epochs: int,
+                    lr: float, hidden: Optional[int], seed: int) -> float:
+    """:func:`linear_probe_accuracy` on embeddings already computed."""
     classes = int(max(tr_y.max(), te_y.max())) + 1
     torch.manual_seed(seed)
     d = tr_x.shape[1]
@@ -70,13 +74,13 @@ def few_label_probe_accuracy(encoder: nn.Module, reference: Dataset, queries: Da
                              draws: int = 3, seed: int = 0) -> float:
     """Mean over ``draws`` random labelled subsets of :func:`linear_probe_accuracy` with ``per_class`` labels
     of each class from ``reference`` (the semi-supervised setting where pre-training should pay off)."""
-    from torch.utils.data import Subset
-
-    labels = torch.as_tensor([int(reference[i][1]) for i in range(len(reference))])  # type: ignore[arg-type]
+    ref_x, ref_y = embed(encoder, reference)
+    query_x, query_y = embed(encoder, queries)
     scores = []
     for draw in range(draws):
-        subset = Subset(reference, few_label_indices(labels, per_class, seed + draw).tolist())
-        scores.append(linear_probe_accuracy(encoder, subset, queries, seed=seed + draw))
+        picked = few_label_indices(ref_y, per_class, seed + draw)
+        scores.append(_probe_accuracy(ref_x[picked], ref_y[picked], query_x, query_y, epochs=100, lr=0.05,
+                                      hidden=None, seed=seed + draw))
     return sum(scores) / len(scores)
 
 
