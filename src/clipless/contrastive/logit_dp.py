@@ -205,6 +205,7 @@ def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch
             h.remove()
     if e.dim() != 2 or any(len(r) != 1 or r[0][0].dim() != 2 for r in records.values()):
         return None
+    linears = [m for m in calls if isinstance(m, nn.Linear)]  # in the order they ran
     u = F.normalize(e, dim=1)
     r = torch.linalg.vector_norm(e.detach(), dim=1)
     outs = [records[id(m)][0][2] for m in linears]
