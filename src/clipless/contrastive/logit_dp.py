@@ -301,6 +301,9 @@ def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor
     squares_a, squares_b = u.new_zeros(n), u.new_zeros(n)
     scale_a, scale_b = u.new_zeros(n), u.new_zeros(n)
     c = u @ v.T
+    # |u_i|, |v_j| (hence |c_ij|) may exceed 1 by the rounding of the normalization, about d units in the last
+    # place: the tail bounds below are products of at most four such factors.
+    inflation = (1.0 + 2.0 * d * torch.finfo(u.dtype).eps / 2) ** 4
     length = 2 * d + len(fa) + 16
     for layer_a, layer_b in zip(fa, fb):
         ha, hb = layer_a[1], layer_b[1]
@@ -309,8 +312,8 @@ def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor
             total += part
             squares_a += sq_a
             squares_b += sq_b
-            scale_a += 2 * s_a
-            scale_b += 2 * s_b
+            scale_a += 2 * inflation * s_a
+            scale_b += 2 * inflation * s_b
             length += ha.shape[1] + 2 * layer_a[3].shape[1] + 2 * d + 8  # sums over 2 x width in the products
             continue
         da, db = _deltas(layer_a, u, ra), _deltas(layer_b, v, rb)
