@@ -286,8 +286,9 @@ def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor
     """``||g_ij||^2 = A_ij + 2 C_ij + B_ij`` with ``A_ij = v_j^T J_i J_i^T v_j``, ``B_ij = u_i^T J'_j J'_j^T u_i``,
     ``C_ij = v_j^T J_i J'_j^T u_i``, and a bound on its rounding.
 
-    Per layer, ``J_i[a] . J'_j[b] = (delta_i[a] . delta'_j[b]) (h_i . h'_j + [bias])``.  Tail layers take
-    :func:`_tail_layer_terms`.  For deep layers the cross term is contracted with ``v_j`` and ``u_i`` before
+    Per layer, ``J_i[a] . J'_j[b] = (delta_i[a] . delta'_j[b]) (h_i . h'_j + [bias])``.  Layers that are tail
+    layers on both sides take :func:`_tail_layer_terms`; a layer that is a tail layer on one side only (an
+    embedding near 0 on the other) has its deltas formed by :func:`_deltas`.  For deep layers the cross term is contracted with ``v_j`` and ``u_i`` before
     the ``d x d`` block is formed: ``C_ij = sum_layers (h_i . h'_j + 1) <delta_i^T v_j, delta'_j^T u_i>``,
     in blocks of ``block`` rows, so the work is ``O(n^2 d width)`` and the memory ``O(block n width)``.
 
@@ -436,9 +437,6 @@ def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: 
         if fac_a is not None and fac_b is not None:
             u, ra, fa = fac_a
             v, rb, fb = fac_b
-            if [f[0] for f in fa] != [f[0] for f in fb]:  # an embedding near 0 on one side only
-                fa = [f if f[0] == "deep" else ("deep", f[1], f[2], _deltas(f, u, ra)) for f in fa]
-                fb = [f if f[0] == "deep" else ("deep", f[1], f[2], _deltas(f, v, rb)) for f in fb]
             return _terms_from_linear_factors(fa, fb, u, v, ra, rb, block)
         if method == "linear":
             raise ValueError("method='linear' needs an encoder whose parameters all belong to nn.Linear layers "
