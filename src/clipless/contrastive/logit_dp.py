@@ -288,9 +288,10 @@ def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor
 
     Per layer, ``J_i[a] . J'_j[b] = (delta_i[a] . delta'_j[b]) (h_i . h'_j + [bias])``.  Layers that are tail
     layers on both sides take :func:`_tail_layer_terms`; a layer that is a tail layer on one side only (an
-    embedding near 0 on the other) has its deltas formed by :func:`_deltas`.  For deep layers the cross term is contracted with ``v_j`` and ``u_i`` before
-    the ``d x d`` block is formed: ``C_ij = sum_layers (h_i . h'_j + 1) <delta_i^T v_j, delta'_j^T u_i>``,
-    in blocks of ``block`` rows, so the work is ``O(n^2 d width)`` and the memory ``O(block n width)``.
+    embedding near 0 on the other) has its deltas formed by :func:`_deltas`.  For deep layers the cross term
+    is contracted with ``v_j`` and ``u_i`` before the ``d x d`` block is formed:
+    ``C_ij = sum_layers (h_i . h'_j + 1) <delta_i^T v_j, delta'_j^T u_i>``, in blocks of ``block`` rows, so
+    the work is ``O(n^2 d width)`` and the memory ``O(block n width)``.
 
     Rounding: each of ``A``, ``B``, ``C`` is a sum of products through at most ``K`` roundings, so its error
     is at most ``gamma_K`` times its terms' absolute sum.  Deep layers: that sum is at most
