@@ -1,6 +1,7 @@
 """Memory and time of one Logit-DP step vs batch size, beside Naive-DP and a non-private step.
 
     python benchmarks/logit_dp_memory.py --batch-sizes 64 256 1024 --out results/logit_dp_memory.json
+    python benchmarks/logit_dp_memory.py --encoder cnn --batch-sizes 64 256 1024 --out results/logit_dp_memory_cnn.json
 
 Each (method, n) runs in its own process; peak memory = peak RSS minus the RSS before the first step.
 The columns ``n^2 d^2`` and ``n^2 p`` give, in MB of float32, the size of all d x d Gram blocks and of
@@ -26,12 +27,15 @@ from report import rss_mb
 METHODS = ("logit_dp", "naive_dp", "nonprivate")
 
 
-def worker(method: str, n: int, repeats: int, hidden: list, dim: int) -> None:
-    from clipless.train.baselines import standard_mlp
+def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_kind: str, channels: list) -> None:
+    from clipless.train.baselines import standard_cnn, standard_mlp
     from clipless.contrastive.logit_dp import logit_dp_gradient, naive_dp_gradient, nonprivate_gradient
 
     torch.manual_seed(0)
-    encoder = standard_mlp((1, 28, 28), dim, hidden=hidden)
+    if encoder_kind == "cnn":  # the CLI's `clipless pretrain --encoder cnn`
+        encoder = standard_cnn((1, 28, 28), dim, channels=channels, hidden=hidden)
+    else:
+        encoder = standard_mlp((1, 28, 28), dim, hidden=hidden)
     xa, xb = torch.rand(n, 1, 28, 28), torch.rand(n, 1, 28, 28)
     step = {
         "logit_dp": lambda: logit_dp_gradient(encoder, xa, xb, "contrastive", 1.0, 1.0),
@@ -54,7 +58,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp")
     parser.add_argument("--hidden", type=int, nargs="*", default=[256])
+    parser.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")
     parser.add_argument("--embedding-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -63,7 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), args.repeats, args.hidden, args.embedding_dim)
+        worker(args.worker[0], int(args.worker[1]), args.repeats, args.hidden, args.embedding_dim, args.encoder,
+               args.channels)
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from report import print_table, write_json
@@ -75,7 +82,8 @@ def main() -> None:
         for method in args.methods:
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", method, str(n), "--repeats", str(args.repeats),
-                 "--threads", str(args.threads), "--embedding-dim", str(d), "--hidden", *map(str, args.hidden)],
+                 "--threads", str(args.threads), "--embedding-dim", str(d), "--encoder", args.encoder,
+                 "--channels", *map(str, args.channels), "--hidden", *map(str, args.hidden)],
                 capture_output=True, text=True,
             )
             if out.returncode != 0:
@@ -94,7 +102,8 @@ def main() -> None:
          + " ".join(f"{r[m + '_mb']:14.0f}" for m in args.methods)
          + f" {r['gram_blocks_mb']:11.0f} {r['pair_gradients_mb']:11.3g}" for r in rows],
     )
-    write_json(args.out, {"threads": args.threads, "hidden": args.hidden, "embedding_dim": d,
+    write_json(args.out, {"threads": args.threads, "encoder": args.encoder, "hidden": args.hidden,
+                          "channels": args.channels if args.encoder == "cnn" else None, "embedding_dim": d,
                           "torch": torch.__version__, "rows": rows})
 
 

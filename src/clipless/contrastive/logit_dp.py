@@ -7,8 +7,9 @@ gradient ``g_ij = grad_w cos_ij`` to norm ``B`` and releases ``gbar = sum_ij a_i
 plus Gaussian noise calibrated to its add/remove-one-pair sensitivity (:func:`logit_dp_sensitivity`).
 
 No ``n^2`` parameter-sized gradients are built: ``g_ij = J_i^T v_j + J'_j^T u_i`` (``J`` the Jacobian
-of the normalized embedding), so ``||g_ij||^2`` needs only the ``d x d`` Gram blocks ``J_i J_i^T``,
-``J'_j J'_j^T`` and ``J_i J'_j^T`` (:func:`pair_gradient_norms`).  Then
+of the normalized embedding), so ``||g_ij||^2 = v_j^T J_i J_i^T v_j + 2 <J_i^T v_j, J'_j^T u_i> +
+u_i^T J'_j J'_j^T u_i``, formed per layer from outer-product factors (``nn.Linear``) or per-example
+Jacobian blocks (other layers) without any pair-sized parameter vector (:func:`pair_gradient_norms`).  Then
 ``lambda_ij = a_ij min(1, B / ||g_ij||)`` (detached) and one backward pass through
 ``sum_ij lambda_ij Z_ij`` yields ``gbar``.
 """
@@ -144,20 +145,25 @@ def naive_dp_sensitivity(clip_norm: float) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 
-# Parameter-free modules whose forward is known and acts on each example alone: the only company
-# ``nn.Linear`` layers may keep on the outer-product path.
+# Parameter-free modules whose forward is known and acts on each coordinate of each example alone.
 _KNOWN_ACTIVATIONS = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus,
                       nn.Identity, nn.Flatten)
+# Modules whose forward is known and acts on each example alone, but not coordinate-wise: their parameters
+# (if any) take a per-example Jacobian block of their own.
+_KNOWN_PER_EXAMPLE = (nn.Conv1d, nn.Conv2d, nn.AvgPool1d, nn.AvgPool2d, nn.MaxPool1d, nn.MaxPool2d,
+                      nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.LayerNorm, nn.GroupNorm)
 
 
-def _outer_product_path_applies(encoder: nn.Module) -> bool:
-    """Every module is a plain ``nn.Sequential``, an ``nn.Linear`` or a known activation, without hooks, and
-    no parameter is shared: then the parameters' gradients are exactly the per-layer outer products."""
+def _factored_path_applies(encoder: nn.Module) -> bool:
+    """Every module is a plain ``nn.Sequential``, an ``nn.Linear``, a known activation or a known per-example
+    layer (convolution, pooling, per-example normalization), without hooks, and no parameter is shared: then
+    the ``nn.Linear`` parameters' gradients are exactly per-layer outer products and the others are
+    per-example Jacobians of a function of one example."""
     if global_hooks_registered():
         return False
     seen = set()
     for m in encoder.modules():
-        if type(m) not in (nn.Sequential, nn.Linear) + _KNOWN_ACTIVATIONS or module_hooks(m):
+        if type(m) not in (nn.Sequential, nn.Linear) + _KNOWN_ACTIVATIONS + _KNOWN_PER_EXAMPLE or module_hooks(m):
             return False
     for _, p in encoder.named_parameters(remove_duplicate=False):
         if id(p) in seen:  # tied weights: the gradient is the sum of both uses, not two separate blocks
@@ -166,29 +172,29 @@ def _outer_product_path_applies(encoder: nn.Module) -> bool:
     return True
 
 
-def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[Tuple]]]:
-    """Normalized embeddings ``u``, their norms ``r = ||e||`` before normalization, and per ``nn.Linear``:
+def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: int) -> Optional[Tuple[torch.Tensor, ...]]:
+    """Normalized embeddings ``u``, their norms ``r = ||e||`` before normalization, per ``nn.Linear`` a factor:
 
     - ``("tail", h, has_bias, m, R)`` when the layer's output ``z`` reaches the embedding ``e`` through
       elementwise activations and at most one more ``nn.Linear`` (weight ``R``; ``None`` for none), so that
       ``de/dz = R diag(m_i)`` for a per-example vector ``m_i``: the last two layers of an MLP;
-    - ``("deep", h, has_bias, delta)`` otherwise, ``delta[i, a] = d u_i[a] / d z_i`` (``(n, d, out)``).
+    - ``("deep", h, has_bias, delta)`` otherwise, ``delta[i, a] = d u_i[a] / d z_i`` (``(n, d, out)``);
 
     ``h`` is the layer's input; the Jacobian of ``u_i[a]`` w.r.t. the weight is the outer product
-    ``delta[i, a] h_i^T`` (and ``delta[i, a]`` for the bias).  Returns ``None`` unless
-    :func:`_outer_product_path_applies` and every layer runs once on ``(n, in)`` inputs: the factorization
-    would not hold otherwise.  The recorded output is not the tensor handed on (a clone is), so in-place
-    activations cannot overwrite it and skip their own derivative.
+    ``delta[i, a] h_i^T`` (and ``delta[i, a]`` for the bias).  Last, the per-example Jacobian ``(n, d, p)`` of
+    ``u`` w.r.t. the trainable parameters of the other layers (convolutions, normalizations), or ``None``.
+
+    Returns ``None`` unless :func:`_factored_path_applies` and every ``nn.Linear`` runs once on ``(n, in)``
+    inputs: the factorization would not hold otherwise.  The recorded output is not the tensor handed on (a
+    clone is), so in-place activations cannot overwrite it and skip their own derivative.
     """
-    if not _outer_product_path_applies(encoder):
+    if not _factored_path_applies(encoder):
         return None
     leaves = [m for m in encoder.modules() if not isinstance(m, nn.Sequential)]
     linears = [m for m in leaves if isinstance(m, nn.Linear)]
-    if not linears:
-        return None
     records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {id(m): [] for m in linears}
-    # The order in which the leaves run (an activation module may be called more than once): with only
-    # Sequential containers, Linear layers and elementwise activations, this sequence is the whole graph.
+    # The order in which the leaves run (a module may be called more than once): with only Sequential
+    # containers and one-input layers, this sequence is the whole graph.
     calls: List[nn.Module] = []
 
     def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
@@ -210,18 +216,22 @@ def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch
     r = torch.linalg.vector_norm(e.detach(), dim=1)
     outs = [records[id(m)][0][2] for m in linears]
     last = len(linears) - 1
-    # de/dz_k = R diag(m): z_k is the last layer's output (R = identity), or the one before it when nothing
-    # but identity maps follows the last layer.  Embeddings near 0 (where normalization is not
-    # (I - u u^T) / r) take the general path.
-    after_last = calls[max(k for k, m in enumerate(calls) if m is linears[last]) + 1:]
+    # de/dz_k = R diag(m): z_k is the last layer's output and only elementwise maps follow it (R = identity),
+    # or the one before it with only elementwise maps up to the last layer and identity maps after it.
+    # Embeddings near 0 (where normalization is not (I - u u^T) / r) take the general path.
+    position = {id(m): max(k for k, c in enumerate(calls) if c is m) for m in linears}
+    after_last = calls[position[id(linears[last])] + 1:] if linears else []
+    between = calls[position[id(linears[last - 1])] + 1:position[id(linears[last])]] if last >= 1 else []
+    elementwise_end = all(isinstance(m, _KNOWN_ACTIVATIONS) for m in after_last)
     plain_end = all(isinstance(m, (nn.Identity, nn.Flatten)) for m in after_last)
+    elementwise_between = all(isinstance(m, _KNOWN_ACTIVATIONS) for m in between)
     tail_ok = bool(r.numel() == 0 or r.min() > 1e-6)
     kinds = []
     for k, out in enumerate(outs):
         target, weight = None, None
-        if tail_ok and k == last:
+        if tail_ok and k == last and elementwise_end:
             target = e
-        elif tail_ok and k == last - 1 and plain_end:
+        elif tail_ok and k == last - 1 and plain_end and elementwise_between:
             target, weight = records[id(linears[last])][0][1], linears[last].weight
         if target is not None and target.shape == out.shape:
             m = torch.autograd.grad(target, out, grad_outputs=torch.ones_like(target), retain_graph=True)[0]
@@ -244,7 +254,64 @@ def _linear_factors(encoder: nn.Module, x: torch.Tensor) -> Optional[Tuple[torch
         h = records[id(m)][0][0]
         bias = m.bias is not None
         factors.append(("deep", h, bias, deltas[k]) if kind is None else ("tail", h, bias, kind[1], kind[2]))
-    return u.detach(), r, factors
+    in_linears = {id(p) for m in linears for p in m.parameters()}
+    others = [k for k, p in encoder.named_parameters() if p.requires_grad and id(p) not in in_linears]
+    holders = [m for m in leaves if not isinstance(m, nn.Linear) and any(True for _ in m.parameters())]
+    if not others:
+        jac = None
+    elif all(_plain_conv2d(m) for m in holders):
+        jac = _conv_jacobian(encoder, holders, x, chunk)
+    else:
+        jac = _jacobian(encoder, x, chunk, others, u.dtype)
+    return u.detach(), r, factors, jac
+
+
+def _plain_conv2d(m: nn.Module) -> bool:
+    """A ``Conv2d`` whose per-example weight gradient is ``delta @ unfold(h)^T``: one group, zero padding."""
+    return (type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros"
+            and not isinstance(m.padding, str))
+
+
+def _conv_jacobian(encoder: nn.Module, convs: List[nn.Module], x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per-example Jacobian ``(n, d, p)`` of the normalized embedding w.r.t. the trainable parameters of
+    ``convs`` (plain ``Conv2d`` layers, each run once): ``delta[i, a] = d u_i[a] / d z_i`` at each layer's
+    output by one batched backward pass per chunk of examples, then ``J_i[a] = delta[i, a] unfold(h_i)^T``
+    (and ``sum_positions delta[i, a]`` for the bias).  Each chunk is a batch forward of its own examples: the
+    factored path admits only layers that act on each example alone."""
+    parts = []
+    for start in range(0, x.shape[0], chunk):
+        records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {id(m): [] for m in convs}
+
+        def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+            records[id(module)].append((args[0].detach().clone(), out))
+            return out.clone()  # in-place activations after the layer must not overwrite the recorded output
+
+        handles = [m.register_forward_hook(hook) for m in convs]
+        try:
+            with torch.enable_grad():
+                u = F.normalize(encoder(x[start : start + chunk]), dim=1)
+        finally:
+            for h in handles:
+                h.remove()
+        if any(len(r) != 1 for r in records.values()):
+            raise ValueError("a convolution of the encoder runs more than once per forward pass")
+        c, d = u.shape
+        basis = torch.eye(d, dtype=u.dtype, device=u.device).unsqueeze(1).expand(d, c, d)
+        deltas = torch.autograd.grad(u, [records[id(m)][0][1] for m in convs], grad_outputs=basis,
+                                     is_grads_batched=True, allow_unused=True)
+        blocks = []
+        for m, delta in zip(convs, deltas):
+            h, out = records[id(m)][0]
+            if delta is None:
+                delta = torch.zeros((d,) + tuple(out.shape), dtype=out.dtype, device=out.device)
+            flat = delta.flatten(3)  # (d, c, out channels, positions)
+            if m.weight.requires_grad:
+                patches = F.unfold(h, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+                blocks.append(torch.einsum("aiol,ikl->iaok", flat, patches).flatten(2))
+            if m.bias is not None and m.bias.requires_grad:
+                blocks.append(flat.sum(-1).permute(1, 0, 2))
+        parts.append(torch.cat(blocks, 2))
+    return torch.cat(parts)
 
 
 def _tail_layer_terms(fa: Tuple, fb: Tuple, u: torch.Tensor, v: torch.Tensor, ra: torch.Tensor,
@@ -281,8 +348,7 @@ def _tail_layer_terms(fa: Tuple, fb: Tuple, u: torch.Tensor, v: torch.Tensor, ra
     return total, squares_a, squares_b, scale_a, scale_b
 
 
-def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor, v: torch.Tensor,
-                               ra: torch.Tensor, rb: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _terms_from_factors(fac_a: Tuple, fac_b: Tuple, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``||g_ij||^2 = A_ij + 2 C_ij + B_ij`` with ``A_ij = v_j^T J_i J_i^T v_j``, ``B_ij = u_i^T J'_j J'_j^T u_i``,
     ``C_ij = v_j^T J_i J'_j^T u_i``, and a bound on its rounding.
 
@@ -297,7 +363,10 @@ def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor
     is at most ``gamma_K`` times its terms' absolute sum.  Deep layers: that sum is at most
     ``||J_i||_F^2 + ||J'_j||_F^2`` (:func:`_rounding_margin`).  Tail layers: ``4 S_i + 4 (S_i + S'_j) +
     4 S'_j`` for ``A + 2C + B``, twice what the margin's factor 4 covers, hence the factor 2 on ``S``.
+    The parameters outside ``nn.Linear`` layers add their Jacobian block's share (:func:`_jacobian_terms`).
     """
+    u, ra, fa, ja = fac_a
+    v, rb, fb, jb = fac_b
     n, d = u.shape
     total = u.new_zeros(n, n)
     squares_a, squares_b = u.new_zeros(n), u.new_zeros(n)
@@ -335,6 +404,12 @@ def _terms_from_linear_factors(fa: List[Tuple], fb: List[Tuple], u: torch.Tensor
             da_v = torch.matmul(v, da[rows])  # (m, n, width): delta_i^T v_j
             db_u = (u[rows] @ db_flat).reshape(-1, n, width)  # delta'_j^T u_i
             total[rows] += 2 * h_cross[rows] * (da_v * db_u).sum(-1)
+    if ja is not None:
+        part, trace_a, trace_b, chain = _jacobian_terms(ja, jb, u, v)
+        total += part
+        scale_a += trace_a
+        scale_b += trace_b
+        length += chain
     total.addcmul_(c * c, squares_a[:, None] + squares_b[None, :])
     slack = _rounding_margin(length, total.dtype) * (scale_a[:, None] + scale_b[None, :])
     return total, slack
@@ -365,20 +440,25 @@ def _rounding_margin(accumulation_length: int, dtype: torch.dtype) -> float:
     return 4.0 * k_u / (1.0 - k_u)
 
 
-def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Per-example Jacobian of the normalized embedding w.r.t. all trainable parameters, ``(n, d, p)``."""
-    names = [k for k, p in encoder.named_parameters() if p.requires_grad]
-    params = {k: p.detach() for k, p in encoder.named_parameters() if p.requires_grad}
+def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int, names: Optional[List[str]] = None,
+              dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Per-example Jacobian of the normalized embedding w.r.t. the parameters ``names`` (default: all
+    trainable ones), ``(n, d, p)`` in ``dtype``."""
+    if names is None:
+        names = [k for k, p in encoder.named_parameters() if p.requires_grad]
+    wanted = set(names)
+    params = {k: p.detach() for k, p in encoder.named_parameters() if k in wanted}
+    fixed = {k: p.detach() for k, p in encoder.named_parameters() if k not in wanted}
     buffers = dict(encoder.named_buffers())
 
     def f(p: Dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
-        e = functional_call(encoder, ({**p}, buffers), (xi.unsqueeze(0),)).squeeze(0)
+        e = functional_call(encoder, ({**fixed, **p}, buffers), (xi.unsqueeze(0),)).squeeze(0)
         return F.normalize(e, dim=0)
 
     parts, alone = [], []
     for start in range(0, x.shape[0], chunk):
         jac = vmap(jacrev(f), in_dims=(None, 0))(params, x[start : start + chunk])
-        parts.append(torch.cat([jac[k].flatten(2) for k in names], dim=2).double())
+        parts.append(torch.cat([jac[k].flatten(2).to(dtype) for k in names], dim=2))
         with torch.no_grad():
             alone.append(vmap(f, in_dims=(None, 0))(params, x[start : start + chunk]))
     # The norms are those of each example alone; the released gradient comes from the batch forward.
@@ -391,6 +471,37 @@ def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _jacobian_terms(ja: torch.Tensor, jb: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
+                    block_elements: int = 1 << 22) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A Jacobian block's share of ``||g_ij||^2 = A_ij + 2 C_ij + B_ij`` (``J``: ``(n, d, p)``).
+
+    ``A``, ``B`` from the ``d x d`` Grams ``J_i J_i^T``; ``C_ij = <J_i^T v_j, J'_j^T u_i>`` from
+    ``y_ij = J'_j^T u_i`` and then ``v_j . (J_i y_ij)``: ``2 n^2 d p`` multiply-adds (not the ``n^2 d^2 p`` of
+    the ``d x d`` cross Grams), in tiles of at most ``block_elements`` numbers ``y``.  Returns the part, the
+    traces ``||J_i||_F^2``, ``||J'_j||_F^2`` (which bound every term's absolute sum, see
+    :func:`_rounding_margin`) and the longest chain of roundings.
+    """
+    n, d, p = ja.shape
+    gram_aa = torch.einsum("iap,ibp->iab", ja, ja)
+    gram_bb = torch.einsum("jap,jbp->jab", jb, jb)
+    total = torch.einsum("iab,ja,jb->ij", gram_aa, v, v)
+    total += torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
+    # Rows of a tile reuse the columns' Jacobians, which is what keeps the products compute-bound.
+    rows_per_tile = max(1, min(n, 32))
+    cols_per_tile = max(1, min(n, block_elements // max(1, rows_per_tile * p)))
+    jb_by_dim = jb.permute(1, 0, 2)  # (d, n, p)
+    for j0 in range(0, n, cols_per_tile):
+        cols = slice(j0, min(n, j0 + cols_per_tile))
+        jb_cols = jb_by_dim[:, cols].reshape(d, -1)
+        for i0 in range(0, n, rows_per_tile):
+            rows = slice(i0, min(n, i0 + rows_per_tile))
+            y = (u[rows] @ jb_cols).reshape(-1, cols.stop - cols.start, p)  # J'_j^T u_i
+            z = torch.bmm(ja[rows], y.transpose(1, 2))  # (rows, d, cols): J_i J'_j^T u_i
+            total[rows, cols] += 2.0 * torch.einsum("iaj,ja->ij", z, v[cols])
+    trace_a, trace_b = torch.einsum("iaa->i", gram_aa), torch.einsum("jaa->j", gram_bb)
+    return total, trace_a, trace_b, p + d * d + 2 * d + 4
+
+
 def pair_gradient_norms(
     encoder: nn.Module,
     xa: torch.Tensor,
@@ -401,10 +512,13 @@ def pair_gradient_norms(
 ) -> torch.Tensor:
     """``||grad_w cos(Phi(xa_i), Phi(xb_j))||`` for all ``i, j`` (``(n, n)``, float64), from Gram blocks.
 
-    ``method="linear"``: encoders whose parameters all sit in ``nn.Linear`` layers (any activations
-    between), via the outer-product structure of their Jacobians: cost ``O(n^2 d (width))`` per layer.
+    ``method="factored"``: encoders made of ``nn.Linear`` layers, elementwise activations and known per-example
+    layers (convolutions, pooling, LayerNorm/GroupNorm) in ``nn.Sequential``: the ``nn.Linear`` parameters
+    via the outer-product structure of their Jacobians (``O(n^2 width)`` for the last two layers of an MLP,
+    ``O(n^2 d width)`` for earlier ones), the other parameters via their per-example Jacobian block,
+    ``2 n^2 d p`` multiply-adds for ``p`` such parameters (:func:`_jacobian_terms`).
     ``method="jacobian"``: any encoder without cross-example coupling, via ``torch.func``
-    (``vmap(jacrev)``) Jacobians ``(n, d, p)`` and the Gram tensor ``J_i J'_j^T`` (``n^2 d^2`` numbers).
+    (``vmap(jacrev)``) Jacobians ``(n, d, p)`` of all parameters, in float64.
     ``"auto"`` takes the first that applies.  The values are over-estimated by a rounding margin only
     when used for clipping (:func:`logit_dp_gradient`), not here.
     """
@@ -429,37 +543,28 @@ def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: 
     _check_per_example(encoder)
     if xa.shape != xb.shape:
         raise ValueError(f"pair sides differ in shape: {tuple(xa.shape)} vs {tuple(xb.shape)}")
-    if method not in ("auto", "linear", "jacobian"):
-        raise ValueError(f"method must be auto, linear or jacobian, got {method!r}")
-    n = xa.shape[0]
-    if method in ("auto", "linear"):
-        fac_a = _linear_factors(encoder, xa)
-        fac_b = _linear_factors(encoder, xb) if fac_a is not None else None
+    if method not in ("auto", "factored", "jacobian"):
+        raise ValueError(f"method must be auto, factored or jacobian, got {method!r}")
+    if method in ("auto", "factored"):
+        fac_a = _layer_factors(encoder, xa, chunk)
+        fac_b = _layer_factors(encoder, xb, chunk) if fac_a is not None else None
         if fac_a is not None and fac_b is not None:
-            u, ra, fa = fac_a
-            v, rb, fb = fac_b
-            return _terms_from_linear_factors(fa, fb, u, v, ra, rb, block)
-        if method == "linear":
-            raise ValueError("method='linear' needs an encoder whose parameters all belong to nn.Linear layers "
-                             "applied once to (batch, features) inputs; use method='jacobian'")
+            return _terms_from_factors(fac_a, fac_b, block)
+        if method == "factored":
+            raise ValueError("method='factored' needs an encoder built from nn.Sequential, nn.Linear (applied once "
+                             "to (batch, features) inputs), convolutions, pooling, LayerNorm/GroupNorm and "
+                             "elementwise activations, without hooks or shared parameters; use method='jacobian'")
+    return _jacobian_terms_all_parameters(encoder, xa, xb, chunk)
+
+
+def _jacobian_terms_all_parameters(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, chunk: int):
+    """``A + 2C + B`` and its rounding bound from the float64 Jacobians of all parameters (any encoder)."""
     with torch.no_grad():
         u = normalized_embedding(encoder, xa).double()
         v = normalized_embedding(encoder, xb).double()
-    ja = _jacobian(encoder, xa, chunk)
-    jb = _jacobian(encoder, xb, chunk)
-    gram_aa = torch.einsum("iap,ibp->iab", ja, ja)
-    gram_bb = torch.einsum("jap,jbp->jab", jb, jb)
-    A = torch.einsum("iab,ja,jb->ij", gram_aa, v, v)
-    B = torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
-    C = u.new_zeros(n, n)
-    for start in range(0, n, block):
-        rows = slice(start, min(n, start + block))
-        gram_ab = torch.einsum("iap,jbp->ijab", ja[rows], jb)  # J_i J'_j^T, the d x d Gram blocks
-        C[rows] = torch.einsum("ijab,ja,ib->ij", gram_ab, v, u[rows])
-    d = ja.shape[1]
-    trace_a, trace_b = torch.einsum("iaa->i", gram_aa), torch.einsum("jaa->j", gram_bb)
-    slack = _rounding_margin(ja.shape[2] + d * d + 2 * d + 4, A.dtype) * (trace_a[:, None] + trace_b[None, :])
-    return A + 2.0 * C + B, slack
+    ja, jb = _jacobian(encoder, xa, chunk), _jacobian(encoder, xb, chunk)
+    total, trace_a, trace_b, length = _jacobian_terms(ja, jb, u, v)
+    return total, _rounding_margin(length, total.dtype) * (trace_a[:, None] + trace_b[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------
