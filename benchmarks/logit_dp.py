@@ -29,7 +29,8 @@ def run(args: argparse.Namespace, method: str) -> dict:
     data = load_mnist(args.data_dir)
     torch.manual_seed(args.seed)
     encoder = standard_mlp((1, 28, 28), args.embedding_dim, hidden=args.hidden)
-    pairs = AugmentedPairs(data.train.features, padding=args.crop_padding, flip=args.flip)  # secret augmentations
+    pairs = AugmentedPairs(data.train.features, padding=args.crop_padding, flip=args.flip, blur=args.blur,
+                           pixel_noise=args.pixel_noise)  # secret augmentations
     eval_pairs = AugmentedPairs(data.test.features[: args.eval_size], padding=args.crop_padding, flip=args.flip,
                                 seed=12345)
     clip = {"logit_dp": args.clip_logit, "naive_dp": args.clip_naive}.get(method, 1.0)
@@ -78,6 +79,9 @@ def add_pretraining_options(parser: argparse.ArgumentParser, batch_size, epochs,
     parser.add_argument("--hidden", type=int, nargs="*", default=[256])
     parser.add_argument("--embedding-dim", type=int, default=32)
     parser.add_argument("--crop-padding", type=int, default=crop_padding, help="random-crop shift in pixels")
+    parser.add_argument("--blur", type=float, default=0.0, help="Gaussian blur of each view with probability 1/2, "
+                        "width uniform in [0.1, BLUR] pixels (0: off)")
+    parser.add_argument("--pixel-noise", type=float, default=0.0, help="std of Gaussian noise added to each view")
 
 
 def main() -> None:

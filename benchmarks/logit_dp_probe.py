@@ -10,7 +10,8 @@ Protocol:
    image (zero padding ``--crop-padding``, no flips: digits are not mirror-symmetric), sampled by Poisson.
    Logit-DP and Naive-DP have the same epsilon, batch, epochs, encoder and optimizer.
 2. Evaluation reads the test split only. Its even records are the labelled pool and its odd records the
-   queries. ``probe_<k>_per_class`` is a linear head trained on ``k`` labels of each class (mean of 3 random
+   queries. With ``--validation N`` the test split is not read at all: the last ``N`` training images are held
+   out of pre-training and take its place (for choosing settings). ``probe_<k>_per_class`` is a linear head trained on ``k`` labels of each class (mean of 3 random
    draws); ``knn3`` is a 3-NN classifier (cosine) with the whole labelled pool as references.
 3. Each method runs once per ``--seeds`` value (encoder initialization and augmentation keys). Private noise
    comes from OS entropy. The table gives mean +- sd.
@@ -44,7 +45,8 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
     start = time.perf_counter()
     out: dict = {"method": method, "seed": seed, "epsilon": None}
     if method != "untrained":
-        pairs = AugmentedPairs(data.train.features, padding=args.crop_padding, flip=False, seed=seed)
+        pairs = AugmentedPairs(data.train.features, padding=args.crop_padding, flip=False, seed=seed, blur=args.blur,
+                               pixel_noise=args.pixel_noise)
         trainer = ContrastivePretrainer(
             encoder, torch.optim.Adam(encoder.parameters(), lr=args.lr), pairs, method=method, loss="contrastive",
             tau=args.tau, clip_norm=args.clip_logit if method == "logit_dp" else args.clip_naive,
@@ -92,6 +94,8 @@ def main() -> None:
     from report import print_table, write_json
 
     add_pretraining_options(p, batch_size=None, epochs=None, crop_padding=None)
+    p.add_argument("--validation", type=int, default=0, metavar="N",
+                   help="hold out the last N training images for evaluation instead of the test split")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/logit_dp_probe.json")
     args = p.parse_args()
@@ -104,6 +108,15 @@ def main() -> None:
     from clipless.data.datasets import load_digits, load_mnist
 
     data = load_mnist(args.data_dir) if mnist else load_digits()
+    if args.validation:
+        from clipless.data.datasets import ArrayDataset, DataSplit
+
+        n = len(data.train)
+        if not 0 < args.validation < n:
+            raise SystemExit(f"--validation must be in 1..{n - 1}, got {args.validation}")
+        x, y = data.train.features, data.train.labels
+        cut = n - args.validation
+        data = DataSplit(ArrayDataset(x[:cut], y[:cut]), ArrayDataset(x[cut:], y[cut:]), data.name + "-validation")
     runs = []
     for seed in args.seeds:
         for method in args.methods:

@@ -290,6 +290,9 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--lr", type=float, default=1e-3)
     pre.add_argument("--crop-padding", type=int, help="random-crop shift in pixels (default 2 for mnist, 1 for digits)")
     pre.add_argument("--no-flip", dest="flip", action="store_false", help="no random horizontal flips")
+    pre.add_argument("--blur", type=float, default=0.0, help="Gaussian blur of each view with probability 1/2, "
+                     "width uniform in [0.1, BLUR] pixels (0: off)")
+    pre.add_argument("--pixel-noise", type=float, default=0.0, help="std of Gaussian noise added to each view")
     pre.add_argument("--probe-labels", type=int, nargs="*", default=[], metavar="K",
                      help="also report linear probes trained on K labels per class of the test split's labelled "
                      "half, e.g. --probe-labels 10 100 (benchmarks/logit_dp_probe.py)")
@@ -641,6 +644,10 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
     if any(k < 1 for k in args.probe_labels):
         raise SystemExit(f"--probe-labels: each count must be >= 1, got {args.probe_labels}")
+    try:
+        AugmentedPairs.check_settings(args.blur, args.pixel_noise)
+    except ValueError as err:
+        raise SystemExit(f"--blur / --pixel-noise: {err}") from None
     if seed is not None:
         torch.manual_seed(seed)
     if args.dataset == "mnist" and not args.data_dir:
@@ -653,8 +660,9 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         encoder = standard_mlp(shape, args.embedding_dim, hidden=args.hidden)
     padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
     # Augmentations of the private pairs: secret (OS entropy) unless --noise-seed; the test pairs are public.
-    pairs = AugmentedPairs(data.train.features, padding=padding, flip=args.flip, seed=args.noise_seed)
-    eval_pairs = AugmentedPairs(data.test.features, padding=padding, flip=args.flip, seed=12345)
+    views = {"padding": padding, "flip": args.flip, "blur": args.blur, "pixel_noise": args.pixel_noise}
+    pairs = AugmentedPairs(data.train.features, seed=args.noise_seed, **views)
+    eval_pairs = AugmentedPairs(data.test.features, seed=12345, **views)
     out_dir = Path(args.output_dir)
     trainer = ContrastivePretrainer(
         encoder, build_optimizer(encoder.parameters(), args.optimizer, args.lr), pairs, method=args.method, loss=args.loss,

@@ -455,6 +455,10 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit, match="--probe-labels"):
         cli_main(["pretrain", "--probe-labels", "0", "--output-dir", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()  # refused before anything ran or was written
+    for flags in (["--blur", "0.05"], ["--pixel-noise", "-1"], ["--pixel-noise", "nan"]):
+        with pytest.raises(SystemExit, match="--blur / --pixel-noise"):
+            cli_main(["pretrain", *flags, "--output-dir", str(tmp_path / "bad")])
+        assert not (tmp_path / "bad").exists()
 
 
 def test_cli_pretrain_cnn_encoder_takes_the_factored_path(tmp_path, capsys, monkeypatch) -> None:
@@ -468,7 +472,8 @@ def test_cli_pretrain_cnn_encoder_takes_the_factored_path(tmp_path, capsys, monk
     monkeypatch.setattr(ld, "_jacobian_terms_all_parameters", refuse)
     out = tmp_path / "cnn"
     assert cli_main(["pretrain", "--encoder", "cnn", "--channels", "4", "--epochs", "1", "--batch-size", "128",
-                     "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(out)]) == 0
+                     "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(out),
+                     "--blur", "1.0", "--pixel-noise", "0.1"]) == 0
     assert "kNN(3) accuracy" in capsys.readouterr().out
 
 

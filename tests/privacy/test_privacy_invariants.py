@@ -163,10 +163,11 @@ def test_pretrainer_and_pairs_default_randomness_differs():
     assert not torch.equal(a.gather(list(range(32)))[0], b.gather(list(range(32)))[0])
 
 
-def test_augmentations_of_a_record_do_not_depend_on_other_records():
+@pytest.mark.parametrize("extra", [{}, {"blur": 1.5, "pixel_noise": 0.2}])
+def test_augmentations_of_a_record_do_not_depend_on_other_records(extra):
     images = torch.rand(6, 1, 8, 8)
-    full = cl.contrastive.AugmentedPairs(images, padding=2, seed=1)
-    without = cl.contrastive.AugmentedPairs(images[[0, 2, 3, 4, 5]], padding=2, seed=1)  # record 1 removed
+    full = cl.contrastive.AugmentedPairs(images, padding=2, seed=1, **extra)
+    without = cl.contrastive.AugmentedPairs(images[[0, 2, 3, 4, 5]], padding=2, seed=1, **extra)  # record 1 removed
     for _ in range(3):  # several draws, in different batch orders
         a = full.gather([5, 0, 1, 3])
         b = without.gather([4, 0, 2])

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from ..data.datasets import check_finite
 
-__all__ = ["crop_flip", "random_crop_flip", "AugmentedPairs", "GivenPairs"]
+__all__ = ["crop_flip", "random_crop_flip", "gaussian_blur", "AugmentedPairs", "GivenPairs"]
 
 
 def crop_flip(images: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, mirror: torch.Tensor,
@@ -49,27 +49,59 @@ def random_crop_flip(
     return crop_flip(images, dy, dx, mirror, padding)
 
 
+def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, radius: int = 2) -> torch.Tensor:
+    """Blur image ``k`` with a normalized Gaussian kernel of width ``sigma[k]`` (``sigma[k] = 0``: unchanged),
+    ``(2 radius + 1)^2`` taps, reflected borders.  ``images`` is ``(n, C, H, W)``."""
+    if images.dim() != 4:
+        raise ValueError(f"images must be (n, C, H, W), got shape {tuple(images.shape)}")
+    n, c, h, w = images.shape
+    if n == 0:
+        return images
+    offsets = torch.arange(-radius, radius + 1, dtype=images.dtype)
+    s = sigma.to(images.dtype).clamp_min(1e-6)[:, None]
+    taps = torch.exp(-0.5 * (offsets[None, :] / s) ** 2)
+    taps = taps / taps.sum(1, keepdim=True)  # (n, 2r + 1); sigma -> 0 gives the identity tap
+    kernel = (taps[:, :, None] * taps[:, None, :]).repeat_interleave(c, 0)[:, None]  # (n C, 1, k, k)
+    mode = "reflect" if min(h, w) > radius else "replicate"
+    padded = torch.nn.functional.pad(images.reshape(1, n * c, h, w), (radius,) * 4, mode=mode)
+    return torch.nn.functional.conv2d(padded, kernel, groups=n * c).reshape(n, c, h, w)
+
+
 class AugmentedPairs(Dataset):
-    """``(aug(x), aug(x))`` for every image ``x``, with fresh random crops and flips at each access.
+    """``(aug(x), aug(x))`` for every image ``x``, with fresh random crops and flips at each access, and
+    optionally (SimCLR-style) a Gaussian blur with probability 1/2 (``blur``: width uniform in
+    ``[0.1, blur]`` pixels) and additive Gaussian pixel noise (standard deviation ``pixel_noise``).
 
     The augmentations of a record depend only on a secret key, the record's own content and how many
     times it was drawn, never on which other records are present or on batch order (spec §1, §7): with
     ``seed=None`` the key comes from OS entropy; an integer ``seed`` makes them reproducible (experiments).
-    Each draw is keyed BLAKE2b of (record digest, draw count): 16 bytes for two crops and two flips.
+    Each draw is keyed BLAKE2b of (record digest, draw count): 16 bytes for two crops, two flips and two
+    blurs; the pixel noise of a draw comes from a generator seeded by a second keyed digest.
     """
 
-    def __init__(self, images: torch.Tensor, padding: int = 2, flip: bool = True, seed: Optional[int] = None) -> None:
+    def __init__(self, images: torch.Tensor, padding: int = 2, flip: bool = True, seed: Optional[int] = None,
+                 blur: float = 0.0, pixel_noise: float = 0.0) -> None:
         if images.dim() != 4:
             raise ValueError(f"images must be (N, C, H, W), got shape {tuple(images.shape)}")
         if padding < 0:
             raise ValueError("padding must be >= 0")
+        self.check_settings(blur, pixel_noise)
         check_finite(images, "images")
         self.images, self.padding, self.flip = images, int(padding), bool(flip)
+        self.blur, self.pixel_noise = float(blur), float(pixel_noise)
         self.key = os.urandom(32) if seed is None else hashlib.sha256(f"clipless-pairs:{int(seed)}".encode()).digest()
         contiguous = images.detach().cpu().contiguous()
         self._digests = [hashlib.blake2b(contiguous[i].numpy().tobytes(), digest_size=16).digest()
                          for i in range(contiguous.shape[0])]
         self.draws = torch.zeros(len(self._digests), dtype=torch.int64)
+
+    @staticmethod
+    def check_settings(blur: float, pixel_noise: float) -> None:
+        """Refuse a blur width outside ``{0} u [0.1, 10]`` pixels and a negative or non-finite noise level."""
+        if not (blur == 0.0 or 0.1 <= blur <= 10.0):
+            raise ValueError(f"blur is the largest blur width in pixels: 0 (off) or in [0.1, 10], got {blur}")
+        if not (0.0 <= pixel_noise < float("inf")):
+            raise ValueError(f"pixel_noise must be finite and >= 0, got {pixel_noise}")
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
@@ -78,25 +110,42 @@ class AugmentedPairs(Dataset):
         a, b = self.gather([index])
         return a[0], b[0]
 
-    def _draw(self, indices: List[int]) -> torch.Tensor:
-        """``(n, 6)`` per-record draws from 16-bit words of the record's digest: dy, dx, mirror for each view."""
-        buffer = bytearray()
+    def _draw(self, indices: List[int]) -> Tuple[torch.Tensor, List[int]]:
+        """``(n, 8)`` per-record draws from the 16-bit words of the record's keyed digest (dy, dx, mirror for
+        each view, then one blur word per view), and per record a 64-bit seed for its pixel noise."""
+        buffer, noise_seeds = bytearray(), []
         for i in indices:
             count = int(self.draws[i])
             self.draws[i] = count + 1
-            buffer += hashlib.blake2b(self._digests[i] + count.to_bytes(8, "little"), key=self.key,
-                                      digest_size=16).digest()
+            message = self._digests[i] + count.to_bytes(8, "little")
+            buffer += hashlib.blake2b(message, key=self.key, digest_size=16).digest()
+            if self.pixel_noise > 0:
+                seed = hashlib.blake2b(message + b"noise", key=self.key, digest_size=8).digest()
+                noise_seeds.append(int.from_bytes(seed, "little") >> 1)
         words = torch.frombuffer(buffer, dtype=torch.int16).to(torch.int64).reshape(len(indices), 8) & 0xFFFF
-        span = torch.tensor([2 * self.padding + 1, 2 * self.padding + 1, 2] * 2)
-        draws = words[:, :6] % span
+        span = torch.tensor([2 * self.padding + 1, 2 * self.padding + 1, 2] * 2 + [1 << 16] * 2)
+        draws = words % span
         if not self.flip:
             draws[:, [2, 5]] = 0
-        return draws
+        return draws, noise_seeds
+
+    def _view(self, x: torch.Tensor, d: torch.Tensor, blur_words: torch.Tensor) -> torch.Tensor:
+        out = crop_flip(x, d[:, 0], d[:, 1], d[:, 2], self.padding)
+        if self.blur > 0:
+            # Lowest bit: blur or not (probability 1/2); the other 15 bits: the width, uniform in [0.1, blur].
+            width = 0.1 + (self.blur - 0.1) * (blur_words >> 1).to(torch.float64) / float((1 << 15) - 1)
+            out = gaussian_blur(out, torch.where(blur_words & 1 == 1, width, torch.zeros_like(width)))
+        return out
 
     def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         x = self.images[torch.as_tensor(indices, dtype=torch.long)]
-        d = self._draw(list(indices))
-        return crop_flip(x, d[:, 0], d[:, 1], d[:, 2], self.padding), crop_flip(x, d[:, 3], d[:, 4], d[:, 5], self.padding)
+        d, noise_seeds = self._draw(list(indices))
+        a, b = self._view(x, d[:, 0:3], d[:, 6]), self._view(x, d[:, 3:6], d[:, 7])
+        if self.pixel_noise > 0 and noise_seeds:
+            noise = torch.stack([torch.randn((2,) + tuple(x.shape[1:]), generator=torch.Generator().manual_seed(s),
+                                             dtype=x.dtype) for s in noise_seeds])
+            a, b = a + self.pixel_noise * noise[:, 0], b + self.pixel_noise * noise[:, 1]
+        return a, b
 
     def state_dict(self) -> dict:
         """Key and draw counts: resuming from them repeats the augmentations exactly (as secret as the data)."""
