@@ -11,8 +11,9 @@ Protocol:
    Logit-DP and Naive-DP have the same epsilon, batch, epochs, encoder and optimizer.
 2. Evaluation reads the test split only. Its even records are the labelled pool and its odd records the
    queries. With ``--validation N`` the test split is not read at all: the last ``N`` training images are held
-   out of pre-training and take its place (for choosing settings). ``probe_<k>_per_class`` is a linear head trained on ``k`` labels of each class (mean of 3 random
-   draws); ``knn3`` is a 3-NN classifier (cosine) with the whole labelled pool as references.
+   out of pre-training and take its place (for choosing settings). ``probe_<k>_per_class`` is a linear head
+   trained on ``k`` labels of each class (mean of 3 random draws); ``knn3`` is a 3-NN classifier (cosine) with
+   the whole labelled pool as references.
 3. Each method runs once per ``--seeds`` value (encoder initialization and augmentation keys). Private noise
    comes from OS entropy. The table gives mean +- sd.
 
