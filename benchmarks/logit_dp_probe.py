@@ -39,10 +39,13 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
     from clipless.contrastive.evaluation import evaluate_encoder
     from clipless.contrastive.pairs import AugmentedPairs
     from clipless.contrastive.pretrain import ContrastivePretrainer
-    from clipless.train.baselines import standard_mlp
+    from clipless.train.baselines import standard_cnn, standard_mlp
 
     torch.manual_seed(seed)
-    encoder = standard_mlp(data.input_shape, args.embedding_dim, hidden=args.hidden)
+    if args.encoder == "cnn":  # the CLI's `clipless pretrain --encoder cnn`
+        encoder = standard_cnn(data.input_shape, args.embedding_dim, channels=args.channels, hidden=args.hidden)
+    else:
+        encoder = standard_mlp(data.input_shape, args.embedding_dim, hidden=args.hidden)
     start = time.perf_counter()
     out: dict = {"method": method, "seed": seed, "epsilon": None}
     if method != "untrained":
@@ -95,6 +98,9 @@ def main() -> None:
     from report import print_table, write_json
 
     add_pretraining_options(p, batch_size=None, epochs=None, crop_padding=None)
+    p.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp",
+                   help="cnn: about 34 s per Logit-DP step at batch 1024 on 2 cores (docs/results.md)")
+    p.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")
     p.add_argument("--validation", type=int, default=0, metavar="N",
                    help="hold out the last N training images for evaluation instead of the test split")
     p.add_argument("--threads", type=int, default=2)
@@ -140,8 +146,8 @@ def main() -> None:
                  + f" {s['train_s']:8.0f}" for method, s in summary.items()])
     write_json(args.out, {"config": vars(args), "summary": summary, "runs": runs})
     figure = Path(args.out).with_suffix(".png")
-    plot(summary, figure, f"{args.dataset}: contrastive pre-training at epsilon {args.epsilon:g} "
-                          f"({len(args.seeds)} seeds)")
+    plot(summary, figure, f"{args.dataset}, {args.encoder} encoder: contrastive pre-training at epsilon "
+                          f"{args.epsilon:g} ({len(args.seeds)} seeds)")
     print(f"wrote {figure}")
 
 
