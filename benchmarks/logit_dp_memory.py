@@ -28,14 +28,11 @@ METHODS = ("logit_dp", "naive_dp", "nonprivate")
 
 
 def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_kind: str, channels: list) -> None:
-    from clipless.train.baselines import standard_cnn, standard_mlp
     from clipless.contrastive.logit_dp import logit_dp_gradient, naive_dp_gradient, nonprivate_gradient
+    from clipless.contrastive.pretrain import build_encoder
 
     torch.manual_seed(0)
-    if encoder_kind == "cnn":  # the CLI's `clipless pretrain --encoder cnn`
-        encoder = standard_cnn((1, 28, 28), dim, channels=channels, hidden=hidden)
-    else:
-        encoder = standard_mlp((1, 28, 28), dim, hidden=hidden)
+    encoder = build_encoder(encoder_kind, (1, 28, 28), dim, hidden=hidden, channels=channels)  # as the CLI's
     xa, xb = torch.rand(n, 1, 28, 28), torch.rand(n, 1, 28, 28)
     step = {
         "logit_dp": lambda: logit_dp_gradient(encoder, xa, xb, "contrastive", 1.0, 1.0),

@@ -38,14 +38,11 @@ METRICS = ("probe_10_per_class", "probe_100_per_class", "knn3_accuracy")
 def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
     from clipless.contrastive.evaluation import evaluate_encoder
     from clipless.contrastive.pairs import AugmentedPairs
-    from clipless.contrastive.pretrain import ContrastivePretrainer
-    from clipless.train.baselines import standard_cnn, standard_mlp
+    from clipless.contrastive.pretrain import ContrastivePretrainer, build_encoder
 
     torch.manual_seed(seed)
-    if args.encoder == "cnn":  # the CLI's `clipless pretrain --encoder cnn`
-        encoder = standard_cnn(data.input_shape, args.embedding_dim, channels=args.channels, hidden=args.hidden)
-    else:
-        encoder = standard_mlp(data.input_shape, args.embedding_dim, hidden=args.hidden)
+    encoder = build_encoder(args.encoder, data.input_shape, args.embedding_dim, hidden=args.hidden,
+                            channels=args.channels)  # the CLI's `clipless pretrain --encoder`
     start = time.perf_counter()
     out: dict = {"method": method, "seed": seed, "epsilon": None}
     if method != "untrained":

@@ -636,10 +636,9 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     """``clipless pretrain``: pairs from random crops and flips of the training images."""
     from .contrastive.evaluation import evaluate_encoder
     from .contrastive.pairs import AugmentedPairs
-    from .contrastive.pretrain import ContrastivePretrainer
+    from .contrastive.pretrain import ContrastivePretrainer, build_encoder
     from .data.datasets import load_dataset
     from .nn.models import build_optimizer
-    from .train.baselines import standard_cnn, standard_mlp
 
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
     if any(k < 1 for k in args.probe_labels):
@@ -654,10 +653,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         raise SystemExit("--dataset mnist needs --data-dir (a directory with the MNIST IDX .gz files)")
     data = load_dataset(args.dataset, args.data_dir, seed=seed or 0)
     shape = data.input_shape
-    if args.encoder == "cnn":
-        encoder = standard_cnn(shape, args.embedding_dim, channels=args.channels, hidden=args.hidden)
-    else:
-        encoder = standard_mlp(shape, args.embedding_dim, hidden=args.hidden)
+    encoder = build_encoder(args.encoder, shape, args.embedding_dim, hidden=args.hidden, channels=args.channels)
     padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
     # Augmentations of the private pairs: secret (OS entropy) unless --noise-seed; the test pairs are public.
     views = {"padding": padding, "flip": args.flip, "blur": args.blur, "pixel_noise": args.pixel_noise}

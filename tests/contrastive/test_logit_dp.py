@@ -707,3 +707,14 @@ def test_sensitivity_holds_at_batch_1024(loss: str, tau: float) -> None:
         worst = max(worst, ratio)
         assert ratio <= 1 + 1e-9, (k, ratio)
     assert worst > 5e-3  # the removals probe the bound (0.009-0.15 of it here), not a vacuous corner
+
+
+def test_build_encoder_kinds() -> None:
+    from clipless.contrastive.pretrain import build_encoder
+
+    cnn = build_encoder("cnn", (1, 8, 8), 5, hidden=[7], channels=[3])
+    assert any(isinstance(m, nn.Conv2d) for m in cnn.modules()) and cnn(torch.rand(2, 1, 8, 8)).shape == (2, 5)
+    mlp = build_encoder("mlp", (1, 8, 8), 5, hidden=[7])
+    assert not any(isinstance(m, nn.Conv2d) for m in mlp.modules()) and mlp(torch.rand(2, 1, 8, 8)).shape == (2, 5)
+    with pytest.raises(ValueError, match="encoder must be one of"):
+        build_encoder("resnet", (1, 8, 8), 5)

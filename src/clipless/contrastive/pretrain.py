@@ -35,9 +35,22 @@ from .logit_dp import (
     pair_logits,
 )
 
-__all__ = ["METHODS", "PretrainResult", "ContrastivePretrainer"]
+__all__ = ["METHODS", "ENCODERS", "PretrainResult", "ContrastivePretrainer", "build_encoder"]
 
 METHODS = ("logit_dp", "naive_dp", "nonprivate")
+ENCODERS = ("mlp", "cnn")
+
+
+def build_encoder(kind: str, input_shape, embedding_dim: int, hidden=(256,), channels=(16, 32)) -> nn.Module:
+    """The encoders of ``clipless pretrain --encoder``: an MLP (``hidden`` widths) or a CNN (``channels`` conv
+    layers with ReLU and average pooling, then ``hidden``), each ending in a Linear to ``embedding_dim``."""
+    from ..train.baselines import standard_cnn, standard_mlp
+
+    if kind == "cnn":
+        return standard_cnn(input_shape, embedding_dim, channels=channels, hidden=hidden)
+    if kind == "mlp":
+        return standard_mlp(input_shape, embedding_dim, hidden=hidden)
+    raise ValueError(f"encoder must be one of {ENCODERS}, got {kind!r}")
 
 
 
