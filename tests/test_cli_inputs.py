@@ -53,6 +53,9 @@ def _train(out, *extra):
     (["--augmult", "0"], "--augmult: must be >= 1"),
     (["--augmult", "2", "--augment-shift", "-1"], "--augment-shift: must be >= 0"),
     (["--augmult", "2", "--method", "dpsgd"], "--augmult is an option of clipless training"),
+    (["--average-decay", "1"], "--average-decay: must be < 1"),
+    (["--average-decay", "0"], "--average-decay: must be > 0"),
+    (["--average-decay", "0.9", "--method", "dpsgd"], "--average-decay is an option of clipless training"),
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"

@@ -43,6 +43,7 @@ DEFAULTS: Dict[str, Any] = {
     "seed": 0,
     "noise_seed": None,
     "augmult": 1,
+    "average_decay": None,
     "augment_shift": 2,
     "augment_flip": False,
     "log_train_stats": False,
@@ -133,6 +134,7 @@ SCHEMA: Dict[str, Any] = {
     "loss_grad_clip": _number(float, 0, optional=True),
     "adaptive_clip_quantile": _number(float, 0, 1, optional=True),
     "count_noise_multiplier": _number(float, 0, optional=True),
+    "average_decay": _number(float, 0, 1, optional=True),
     "epsilon": _number(float, 0, optional=True),
     "delta": _number(float, 0, 1),
     "noise_multiplier": _number(float, 0, optional=True),
@@ -214,6 +216,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    "gradient norms (Andrew et al.), starting at --loss-grad-clip; its cost enters epsilon")
     p.add_argument("--count-noise-multiplier", type=float,
                    help="noise multiplier of the adaptive clip's count (default: batch size / 20)")
+    p.add_argument("--average-decay", type=float,
+                   help="evaluate and ship an exponential moving average of the released iterates with this decay "
+                   "(post-processing: no privacy cost); default off")
     p.add_argument("--epsilon", type=float, help="target epsilon (sigma is calibrated to reach it)")
     p.add_argument("--delta", type=float)
     p.add_argument("--noise-multiplier", type=float, help="fix sigma instead (with --epsilon: steps are calibrated)")
@@ -502,6 +507,7 @@ def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, trai
         log_train_stats=bool(config["log_train_stats"]),
         augmentation_multiplicity=config["augmult"],
         augment=_augmentation(config, shape),
+        average_decay=config["average_decay"],
     )
 
 
@@ -522,6 +528,8 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
                          "distributed")
     if config["method"] != "clipless" and config["augmult"] > 1:
         raise SystemExit(f"--augmult is an option of clipless training, not of --method {config['method']}")
+    if config["method"] != "clipless" and config["average_decay"] is not None:
+        raise SystemExit(f"--average-decay is an option of clipless training, not of --method {config['method']}")
     data, shape, seed = _prepare_data(config)
     if config["method"] != "clipless":
         return run_baseline(config, data, seed)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import clipless as cl
 from clipless.cli import main
+from clipless.train.checkpoint import load_checkpoint
 
 
 def _trained_like(model):
@@ -93,3 +94,21 @@ def test_cli_export_of_a_trained_run(tmp_path) -> None:
     assert main(["export", "--output-dir", str(default)]) == 0
     with pytest.raises(SystemExit, match="cannot read checkpoint|checkpoint"):
         main(["export", "--output-dir", str(tmp_path / "missing")])
+
+
+def test_cli_run_with_iterate_averaging_reports_and_exports_the_average(tmp_path) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "2", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant",
+                 "rdp", "--features", "none", "--average-decay", "0.5", "--output-dir", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["config"]["average_decay"] == 0.5
+    state = load_checkpoint(out / "checkpoint.pt")
+    average, last = state["averaged_model"], state["model"]
+    assert average is not None and any(not torch.equal(average[k], last[k]) for k in last if k in average)
+    assert main(["export", "--output-dir", str(out)]) == 0
+    model = torch.export.load(str(out / "model.pt2")).module()
+    data = cl.load_digits()
+    x = torch.stack([data.test[i][0] for i in range(len(data.test))])
+    y = torch.tensor([int(data.test[i][1]) for i in range(len(data.test))])
+    # the reported accuracy is the average's, and the export ships the average
+    assert float((model(x).argmax(1) == y).float().mean()) == pytest.approx(result["test_accuracy"], abs=1e-6)
