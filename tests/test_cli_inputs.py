@@ -56,6 +56,9 @@ def _train(out, *extra):
     (["--average-decay", "1"], "--average-decay: must be < 1"),
     (["--average-decay", "0"], "--average-decay: must be > 0"),
     (["--average-decay", "0.9", "--method", "dpsgd"], "--average-decay is an option of clipless training"),
+    (["--conv", "orthogonal", "--model", "cnn", "--method", "dpsgd"], "--conv is an option of clipless training"),
+    (["--noise-multiplier", "0.01"], "noise multiplier 0.01 is below 0.2 .* use the rdp accountant"),
+    (["--conv", "orthogonal"], "--conv orthogonal applies to the cnn, vgg and resnet models, not mlp"),
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"

@@ -124,3 +124,23 @@ def test_bad_arguments():
         cl.PrivacyAccountant().step(0.0, 0.1)
     with pytest.raises(ValueError):
         cl.PrivacyAccountant().step(1.0, 1.5)
+
+
+def test_pld_refuses_noise_below_its_floor_and_calibration_stays_above_it():
+    """Below sigma 0.2 the PLD grid needs tens of GB (about 40 at sigma 0.01): a clear error, never a hang."""
+    from clipless.privacy.accounting import PLD_MIN_NOISE_MULTIPLIER, calibrate_noise_multiplier
+
+    with pytest.raises(ValueError, match="below 0.2 .* use the rdp accountant"):
+        cl.PrivacyAccountant("pld").step(0.01, 0.1)
+    with pytest.raises(ValueError, match="below 0.2"):
+        cl.compute_epsilon(0.1, 0.1, 10, 1e-5, "pld")
+    assert cl.compute_epsilon(0.01, 0.1, 10, 1e-5, "rdp") > 100  # rdp answers, with a meaningless epsilon
+    stored = cl.PrivacyAccountant("rdp")
+    stored.step(0.01, 0.1, 5)
+    tampered = {**stored.state_dict(), "mechanism": "pld"}
+    with pytest.raises(ValueError, match="below 0.2"):
+        cl.PrivacyAccountant("pld").load_state_dict(tampered)
+    # A target so loose that the best sigma is below the floor: calibration returns the floor's side, within target.
+    sigma = calibrate_noise_multiplier(500.0, 1e-5, 0.05, 3, "pld")
+    assert PLD_MIN_NOISE_MULTIPLIER <= sigma <= PLD_MIN_NOISE_MULTIPLIER * 1.01
+    assert cl.compute_epsilon(sigma, 0.05, 3, 1e-5, "pld") <= 500.0
