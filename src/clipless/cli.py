@@ -25,6 +25,7 @@ DEFAULTS: Dict[str, Any] = {
     "features": "auto",
     "colour_space": "rgb",
     "activation": "maxmin",
+    "conv": "lipschitz",
     "input_clip": None,
     "loss": "tau_ce",
     "tau": 32.0,
@@ -128,6 +129,7 @@ SCHEMA: Dict[str, Any] = {
     "features": _choice("auto", "none", "scattering"),
     "colour_space": _choice("rgb", "hsv", "yuv", "grayscale"),
     "activation": _text(),
+    "conv": _choice("lipschitz", "orthogonal"),
     "input_clip": _number(float, 0, optional=True),
     "loss": _choice("tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"),
     "tau": _number(float, 0),
@@ -202,6 +204,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="colour images: the fixed per-pixel map applied before anything else (data-independent; "
                    "default rgb)")
     p.add_argument("--activation", help="maxmin or groupsortK")
+    p.add_argument("--conv", choices=["lipschitz", "orthogonal"],
+                   help="convolutions of cnn, vgg and resnet: lipschitz (operator norm <= 1, the default) or "
+                   "orthogonal (BCOP, gradient-norm preserving)")
     p.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
     p.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
     p.add_argument("--tau", type=float, help="temperature of tau_ce")
@@ -453,6 +458,10 @@ def _build_clipless(config: Dict[str, Any], data: Any, shape: Tuple[int, ...]) -
         if len(shape) != 3:
             raise SystemExit(f"the {config['model']} needs image inputs (C, H, W); {data.name} has shape {shape}")
         model_kwargs["channels"] = config["channels"]
+    if config["model"] in ("cnn", "vgg", "resnet"):
+        model_kwargs["conv"] = config["conv"]
+    elif config["conv"] != "lipschitz":
+        raise SystemExit(f"--conv {config['conv']} applies to the cnn, vgg and resnet models, not {config['model']}")
     if config["model"] == "mixer":
         model_kwargs.update(channels=config["channels"][0], patch_size=config["patch_size"])
     model_kwargs["hidden"] = config["hidden"]
@@ -528,6 +537,8 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
                          "distributed")
     if config["method"] != "clipless" and config["augmult"] > 1:
         raise SystemExit(f"--augmult is an option of clipless training, not of --method {config['method']}")
+    if config["method"] != "clipless" and config["conv"] != "lipschitz":
+        raise SystemExit(f"--conv is an option of clipless training, not of --method {config['method']}")
     if config["method"] != "clipless" and config["average_decay"] is not None:
         raise SystemExit(f"--average-decay is an option of clipless training, not of --method {config['method']}")
     data, shape, seed = _prepare_data(config)

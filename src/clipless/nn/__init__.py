@@ -1,7 +1,7 @@
 """Lipschitz layers, losses and model builders, laid out like ``torch.nn`` (one file per layer family)."""
 
 from .clipping import AdaptiveLossGradientClip, LossGradientClip
-from .conv import LipschitzConv2d
+from .conv import LipschitzConv2d, OrthogonalConv2d
 from .export import export
 from .layers import (
     GroupSort,
@@ -33,4 +33,4 @@ from .models import (
     lipschitz_vgg,
 )
 
-__all__ = ["AdaptiveLossGradientClip", "BinaryCrossEntropyWithTemperature", "CrossEntropyWithTemperature", "GroupSort", "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear", "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_model", "build_optimizer", "export", "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg"]
+__all__ = ["AdaptiveLossGradientClip", "BinaryCrossEntropyWithTemperature", "CrossEntropyWithTemperature", "GroupSort", "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear", "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "OrthogonalConv2d", "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_model", "build_optimizer", "export", "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg"]

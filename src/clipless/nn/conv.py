@@ -17,9 +17,9 @@ from ..privacy.certified import (
     certified_spectral_norm,
 )
 from ..privacy.modules import BoundedModule, LayerBound
-from .functional import check_projection, clip_norm_, project_matrix_
+from .functional import bjorck_orthonormalize, check_projection, clip_norm_, project_matrix_
 
-__all__ = ["LipschitzConv2d"]
+__all__ = ["LipschitzConv2d", "OrthogonalConv2d", "fft_operator_norm"]
 
 
 def _pair(v: Union[int, Sequence[int]]) -> Tuple[int, int]:
@@ -117,39 +117,9 @@ class LipschitzConv2d(BoundedModule):
         )
 
     def fft_operator_norm(self, in_shape: Tuple[int, ...]) -> float:
-        """Certified operator norm from the exact singular values of a circular convolution (Sedghi et al.).
-
-        Zero padding: the layer is crop o (circular conv on the padded size
-        ``n + 2p``) o zero-embedding, and striding is a sub-sampling, both of
-        norm <= 1.  Circular padding on the input size ``n``, times
-        ``sqrt(m)`` where ``m`` counts outputs that repeat one another when
-        the output is longer than the input.  Computed in float64.
-        """
-        h, w = in_shape[-2], in_shape[-1]
-        (kh, kw), (ph, pw), st = self.kernel_size, self.padding, self.stride
-        circular = self.padding_mode == "circular"
-        nh, nw = (h, w) if circular else (h + 2 * ph, w + 2 * pw)
-        kernel = self.weight.detach().to(torch.float64)
-        if kh > nh or kw > nw:  # the kernel wraps around the circle: fold it first
-            full = torch.zeros(self.out_channels, self.in_channels, nh, nw, dtype=torch.float64, device=kernel.device)
-            for i in range(kh):
-                for j in range(kw):
-                    full[:, :, i % nh, j % nw] += kernel[:, :, i, j]
-            kernel = full
-        # A real kernel's spectrum is conjugate-symmetric (A(-f) = conj A(f), same singular values): the
-        # half spectrum of rfft2 holds every singular value.  Per frequency, the top eigenvalue of the
-        # smaller Gram matrix is the squared spectral norm.
-        spectrum = torch.fft.rfft2(kernel, s=(nh, nw)).permute(2, 3, 0, 1).reshape(-1, self.out_channels,
-                                                                                  self.in_channels)
-        gram = spectrum.mH @ spectrum if self.in_channels <= self.out_channels else spectrum @ spectrum.mH
-        top = torch.linalg.eigvalsh(gram)[..., -1].max().item()
-        norm = math.sqrt(max(top, 0.0)) if math.isfinite(top) else math.nan
-        if not math.isfinite(norm):
-            raise BoundError("convolution kernel contains NaN or infinite values")
-        repeats = 1
-        if circular:
-            repeats = _max_repeats(h, self.output_size(h, 0), st) * _max_repeats(w, self.output_size(w, 1), st)
-        return norm * math.sqrt(repeats) * (1 + 1e-7)
+        """Certified operator norm of this layer from the exact singular values of a circular convolution
+        (:func:`fft_operator_norm`)."""
+        return fft_operator_norm(self.weight, in_shape, self.padding, self.stride, self.padding_mode == "circular")
 
     def output_size(self, n: int, dim: int) -> int:
         """Output length along spatial ``dim`` (0: height, 1: width) for input length ``n``."""
@@ -216,6 +186,147 @@ class LipschitzConv2d(BoundedModule):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, padding_mode={self.padding_mode}, bias={self.bias is not None}"
         )
+
+
+class OrthogonalConv2d(BoundedModule):
+    """Orthogonal ``k x k`` convolution, block-convolution orthogonal parametrization (BCOP, Li et al. 2019).
+
+    The kernel is the composition ``K = H * R_1 * ... * R_{k-1} * C_1 * ... * C_{k-1}`` of a ``1 x 1`` kernel
+    ``H`` (an orthogonal ``c x c`` matrix) and two-tap kernels ``[P_i, I - P_i]`` along the height (``R_i``) and
+    the width (``C_i``), with ``P_i = Q_i^T Q_i`` (``Q_i``: ``m x c``, orthonormal rows, ``m = max(1, c // 2)``).
+    Each factor's frequency response is unitary (``P + (I - P) e^{iw}`` for a projector ``P``), so ``K`` is
+    orthogonal on the torus: with ``padding_mode='circular'`` the layer preserves norms (gradient-norm
+    preserving), with zero padding its operator norm is <= 1.  ``c = max(in, out)``; the kernel is cut to
+    ``(out, in)`` (an isometric embedding when ``in < out``, a projection when ``in > out``).
+
+    Bounds (spec §2): ``l`` is the FFT operator norm of the built kernel (:func:`fft_operator_norm`, certified,
+    not taken from the algebra).  For the parameters, ``||grad_K||_F <= sqrt(s) X G`` as for any stride-1
+    convolution, and by Parseval ``||kernel(A * D * B)||_F <= ||A||_inf ||kernel(D)||_F ||B||_inf`` with
+    ``||F||_inf = sup_w ||F(w)||_2``; a two-tap factor has ``||F||_inf <= max(1, 2 ||Q||_2^2 - 1)`` and
+    ``||dP||_F <= 2 ||Q||_2 ||dQ||_F``.  Hence the factors ``sqrt(s) X prod_j l_j`` for ``H`` and
+    ``2 sqrt(2) ||Q_i||_2 ||H||_2 prod_{j != i} l_j sqrt(s) X`` for ``Q_i``, from certified norms of the
+    stored (not necessarily projected) parameters.  ``project_`` orthonormalizes ``H`` and every ``Q_i`` (Björck).
+    """
+
+    constants = ("in_channels", "out_channels", "kernel_size", "padding_mode")
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, padding_mode: str = "zeros",
+                 bjorck_iters: int = 30) -> None:
+        super().__init__()
+        if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd positive integer (stride 1, 'same' padding), got {kernel_size!r}")
+        if padding_mode not in ("zeros", "circular"):
+            raise ValueError("padding_mode must be 'zeros' or 'circular'")
+        if in_channels < 1 or out_channels < 1:
+            raise ValueError("in_channels and out_channels must be >= 1")
+        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.kernel_size, self.padding_mode = kernel_size, padding_mode
+        self.bjorck_iters = bjorck_iters
+        c = max(self.in_channels, self.out_channels)
+        rank = max(1, c // 2)
+        self.mix = nn.Parameter(nn.init.orthogonal_(torch.empty(c, c)))
+        self._blocks = [f"{axis}{i}" for axis in ("row", "col") for i in range(kernel_size - 1)]
+        for name in self._blocks:
+            self.register_parameter(name, nn.Parameter(nn.init.orthogonal_(torch.empty(rank, c))))
+
+    def kernel(self) -> torch.Tensor:
+        """The ``(out, in, k, k)`` kernel built from the factors (differentiable)."""
+        c = self.mix.shape[0]
+        eye = torch.eye(c, dtype=self.mix.dtype, device=self.mix.device)
+        kernel = self.mix.reshape(c, c, 1, 1)
+        for name in self._blocks:
+            q = getattr(self, name)
+            projector = q.T @ q
+            taps = torch.stack([projector, eye - projector], dim=2)  # (c, c, 2)
+            kernel = _compose(kernel, taps.unsqueeze(3) if name.startswith("row") else taps.unsqueeze(2))
+        return kernel[: self.out_channels, : self.in_channels]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = self.kernel_size // 2
+        if self.padding_mode == "circular":
+            return F.conv2d(F.pad(x, (pad, pad, pad, pad), mode="circular"), self.kernel())
+        return F.conv2d(x, self.kernel(), padding=pad)
+
+    def _overlap(self, in_shape: Tuple[int, ...]) -> int:
+        k, pad, circular = self.kernel_size, self.kernel_size // 2, self.padding_mode == "circular"
+        return _max_reads(in_shape[-2], k, 1, pad, circular) * _max_reads(in_shape[-1], k, 1, pad, circular)
+
+    def certified_lipschitz(self, in_shape: Tuple[int, ...]) -> float:
+        """``l``: the FFT operator norm of the built kernel (float64, certified)."""
+        pad = self.kernel_size // 2
+        with torch.no_grad():
+            kernel = self.kernel()
+        return fft_operator_norm(kernel, in_shape, (pad, pad), 1, self.padding_mode == "circular")
+
+    def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
+        lip = self.certified_lipschitz(in_shape)
+        root = math.sqrt(self._overlap(in_shape)) * x_bound
+        mix_norm = certified_spectral_norm(self.mix)
+        norms = [certified_spectral_norm(getattr(self, name)) for name in self._blocks]
+        tap_bounds = [max(1.0, 2.0 * n * n - 1.0) * CERT_MARGIN for n in norms]
+        factors = {"mix": math.prod(tap_bounds) * root}
+        for i, name in enumerate(self._blocks):
+            others = math.prod(tap_bounds[:i] + tap_bounds[i + 1:])
+            factors[name] = 2.0 * math.sqrt(2.0) * norms[i] * mix_norm * others * root * CERT_MARGIN
+        return LayerBound(lipschitz=lip, out_bound=lip * x_bound, param_factors=factors)
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        for name in ("mix", *self._blocks):
+            param = getattr(self, name)
+            param.copy_(bjorck_orthonormalize(param, self.bjorck_iters)[0])
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"padding_mode={self.padding_mode}")
+
+
+def _compose(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+    """The kernel of ``outer`` applied after ``inner`` (cross-correlations): ``K[v] = sum_{t+u=v} A[t] B[u]``."""
+    oh, ow = outer.shape[-2:]
+    ih, iw = inner.shape[-2:]
+    out = outer.new_zeros(outer.shape[0], inner.shape[1], oh + ih - 1, ow + iw - 1)
+    for i in range(ih):
+        for j in range(iw):
+            out[:, :, i:i + oh, j:j + ow] = out[:, :, i:i + oh, j:j + ow] + torch.einsum(
+                "omhw,mi->oihw", outer, inner[:, :, i, j])
+    return out
+
+
+def fft_operator_norm(kernel: torch.Tensor, in_shape: Tuple[int, ...], padding: Tuple[int, int], stride: int,
+                      circular: bool) -> float:
+    """Certified operator norm of a convolution from the exact singular values of a circular one (Sedghi et al.).
+
+    Zero padding: the layer is crop o (circular conv on the padded size ``n + 2p``) o zero-embedding, and
+    striding is a sub-sampling, both of norm <= 1.  Circular padding on the input size ``n``, times
+    ``sqrt(m)`` where ``m`` counts outputs that repeat one another when the output is longer than the input.
+    Computed in float64.
+    """
+    h, w = in_shape[-2], in_shape[-1]
+    c_out, c_in, kh, kw = kernel.shape
+    (ph, pw), st = padding, stride
+    nh, nw = (h, w) if circular else (h + 2 * ph, w + 2 * pw)
+    kernel = kernel.detach().to(torch.float64)
+    if kh > nh or kw > nw:  # the kernel wraps around the circle: fold it first
+        full = torch.zeros(c_out, c_in, nh, nw, dtype=torch.float64, device=kernel.device)
+        for i in range(kh):
+            for j in range(kw):
+                full[:, :, i % nh, j % nw] += kernel[:, :, i, j]
+        kernel = full
+    # A real kernel's spectrum is conjugate-symmetric (A(-f) = conj A(f), same singular values): the
+    # half spectrum of rfft2 holds every singular value.  Per frequency, the top eigenvalue of the
+    # smaller Gram matrix is the squared spectral norm.
+    spectrum = torch.fft.rfft2(kernel, s=(nh, nw)).permute(2, 3, 0, 1).reshape(-1, c_out, c_in)
+    gram = spectrum.mH @ spectrum if c_in <= c_out else spectrum @ spectrum.mH
+    top = torch.linalg.eigvalsh(gram)[..., -1].max().item()
+    norm = math.sqrt(max(top, 0.0)) if math.isfinite(top) else math.nan
+    if not math.isfinite(norm):
+        raise BoundError("convolution kernel contains NaN or infinite values")
+    repeats = 1
+    if circular:
+        out_h, out_w = (h + 2 * ph - kh) // st + 1, (w + 2 * pw - kw) // st + 1
+        repeats = _max_repeats(h, out_h, st) * _max_repeats(w, out_w, st)
+    return norm * math.sqrt(repeats) * (1 + 1e-7)
 
 
 def _max_reads(n: int, k: int, stride: int, pad: int, circular: bool) -> int:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .clipping import AdaptiveLossGradientClip, LossGradientClip
-from .conv import LipschitzConv2d
+from .conv import LipschitzConv2d, OrthogonalConv2d
 from .layers import GroupSort, InputNormClip, L2NormPool2d, LayerCentering, MaxMin, ScaledAvgPool2d
 from .linear import LipschitzLinear
 
@@ -77,6 +77,12 @@ def _convert(layer: nn.Module, shape: torch.Size, inputs_within_bound: bool) -> 
         return _with_parameters_of(layer, nn.Conv2d(
             layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
             padding_mode=layer.padding_mode, bias=layer.bias is not None))
+    if isinstance(layer, OrthogonalConv2d):
+        target = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, padding=layer.kernel_size // 2,
+                           padding_mode=layer.padding_mode, bias=False)
+        with torch.no_grad():
+            target.weight.copy_(layer.kernel())
+        return [target]
     if isinstance(layer, GroupSort):  # MaxMin is a GroupSort(2) with the larger value first
         if layer.group_size != 2:
             raise ValueError(f"{layer!r}: sorting groups of {layer.group_size} has no standard-layer equivalent "

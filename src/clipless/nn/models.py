@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..privacy.modules import LipschitzLoss, Residual
-from .conv import LipschitzConv2d
+from .conv import LipschitzConv2d, OrthogonalConv2d
 from .layers import (
     GroupSort,
     InputNormClip,
@@ -106,6 +106,19 @@ def _dense_head(width: int, hidden: Sequence[int], num_classes: int, activation:
     return layers
 
 
+CONVS = ("lipschitz", "orthogonal")
+
+
+def _conv(c_in: int, c_out: int, kernel_size: int, conv: str, operator_norm: str,
+          projection: str = "spectral") -> nn.Module:
+    """A stride-1 'same' convolution: ``LipschitzConv2d`` (operator norm <= 1) or ``OrthogonalConv2d`` (BCOP)."""
+    if conv == "orthogonal":
+        return OrthogonalConv2d(c_in, c_out, kernel_size)
+    if conv != "lipschitz":
+        raise ValueError(f"conv must be one of {CONVS}, got {conv!r}")
+    return LipschitzConv2d(c_in, c_out, kernel_size, projection=projection, operator_norm=operator_norm)
+
+
 def lipschitz_cnn(
     input_shape: Sequence[int],
     num_classes: int,
@@ -118,16 +131,16 @@ def lipschitz_cnn(
     projection: str = "spectral",
     input_pool: int = 1,
     operator_norm: str = "fft",
+    conv: str = "lipschitz",
 ) -> nn.Sequential:
     """``[ScaledAvgPool2d] -> (conv -> MaxMin -> L2NormPool)* -> Flatten -> dense``; every block 1-Lipschitz.
 
     Convolutions use the exact FFT operator-norm bound by default (``operator_norm='reshaped'``
-    for the looser ``sqrt(s) ||W_mat||`` bound).
+    for the looser ``sqrt(s) ||W_mat||`` bound); ``conv='orthogonal'`` makes them orthogonal (BCOP).
     """
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
-        conv = LipschitzConv2d(c, ch, kernel_size, projection=projection, operator_norm=operator_norm)
-        layers += [conv, _activation(activation)]
+        layers += [_conv(c, ch, kernel_size, conv, operator_norm, projection), _activation(activation)]
         if pool > 1 and h >= pool and w >= pool:
             layers.append(L2NormPool2d(pool))
             h, w = h // pool, w // pool
@@ -146,6 +159,7 @@ def lipschitz_vgg(
     kernel_size: int = 3,
     input_pool: int = 1,
     operator_norm: str = "fft",
+    conv: str = "lipschitz",
 ) -> nn.Sequential:
     """VGG-style: stages of ``convs_per_stage x (conv -> GroupSort)`` then ``L2NormPool2d(2)``; dense head.
 
@@ -155,7 +169,7 @@ def lipschitz_vgg(
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
         for _ in range(convs_per_stage):
-            layers += [LipschitzConv2d(c, ch, kernel_size, operator_norm=operator_norm), _activation(activation)]
+            layers += [_conv(c, ch, kernel_size, conv, operator_norm), _activation(activation)]
             c = ch
         if h >= 2 and w >= 2:
             layers.append(L2NormPool2d(2))
@@ -174,6 +188,7 @@ def lipschitz_resnet(
     kernel_size: int = 3,
     input_pool: int = 1,
     operator_norm: str = "fft",
+    conv: str = "lipschitz",
 ) -> nn.Sequential:
     """ResNet-style: per stage a conv to the new width, ``blocks_per_stage`` residual blocks
     ``y = (x + h(x))/2`` with ``h = conv -> act -> conv``, then ``L2NormPool2d(2)``.
@@ -183,13 +198,13 @@ def lipschitz_resnet(
     """
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
-        layers += [LipschitzConv2d(c, ch, kernel_size, operator_norm=operator_norm), _activation(activation)]
+        layers += [_conv(c, ch, kernel_size, conv, operator_norm), _activation(activation)]
         c = ch
         for _ in range(blocks_per_stage):
             branch = nn.Sequential(
-                LipschitzConv2d(c, c, kernel_size, operator_norm=operator_norm),
+                _conv(c, c, kernel_size, conv, operator_norm),
                 _activation(activation),
-                LipschitzConv2d(c, c, kernel_size, operator_norm=operator_norm),
+                _conv(c, c, kernel_size, conv, operator_norm),
             )
             layers.append(Residual(branch))
         if h >= 2 and w >= 2:
