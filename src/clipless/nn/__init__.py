@@ -33,4 +33,10 @@ from .models import (
     lipschitz_vgg,
 )
 
-__all__ = ["AdaptiveLossGradientClip", "BinaryCrossEntropyWithTemperature", "CrossEntropyWithTemperature", "GroupSort", "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear", "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "OrthogonalConv2d", "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_model", "build_optimizer", "export", "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg"]
+__all__ = [
+    "AdaptiveLossGradientClip", "BinaryCrossEntropyWithTemperature", "CrossEntropyWithTemperature", "GroupSort",
+    "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear",
+    "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "OrthogonalConv2d",
+    "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_model", "build_optimizer", "export",
+    "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg",
+]

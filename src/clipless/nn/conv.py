@@ -214,7 +214,8 @@ class OrthogonalConv2d(BoundedModule):
                  bjorck_iters: int = 30) -> None:
         super().__init__()
         if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be an odd positive integer (stride 1, 'same' padding), got {kernel_size!r}")
+            raise ValueError(f"kernel_size must be an odd positive integer (stride 1, 'same' padding), "
+                             f"got {kernel_size!r}")
         if padding_mode not in ("zeros", "circular"):
             raise ValueError("padding_mode must be 'zeros' or 'circular'")
         if in_channels < 1 or out_channels < 1:
