@@ -138,8 +138,11 @@ def test_pld_refuses_noise_below_its_floor_and_calibration_stays_above_it():
     stored = cl.PrivacyAccountant("rdp")
     stored.step(0.01, 0.1, 5)
     tampered = {**stored.state_dict(), "mechanism": "pld"}
+    target = cl.PrivacyAccountant("rdp")
+    target.step(1.0, 0.1, 3)
     with pytest.raises(ValueError, match="below 0.2"):
-        cl.PrivacyAccountant("pld").load_state_dict(tampered)
+        target.load_state_dict(tampered)
+    assert target.mechanism == "rdp" and target.history == [(1.0, 0.1, 3)]  # a refused state leaves it untouched
     # A target so loose that the best sigma is below the floor: calibration returns the floor's side, within target.
     sigma = calibrate_noise_multiplier(500.0, 1e-5, 0.05, 3, "pld")
     assert PLD_MIN_NOISE_MULTIPLIER <= sigma <= PLD_MIN_NOISE_MULTIPLIER * 1.01

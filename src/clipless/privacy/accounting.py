@@ -145,10 +145,10 @@ class PrivacyAccountant:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if "history" not in state or "mechanism" not in state:
             raise ValueError("accountant state must contain 'mechanism' and 'history'")
-        _new_accountant(state["mechanism"])  # validates the name
-        self.mechanism, self._history = state["mechanism"], []
+        loaded = PrivacyAccountant(state["mechanism"])
         for s, q, n in state["history"]:  # validated like live steps: a stored history is an untrusted claim
-            self.step(float(s), float(q), int(n))
+            loaded.step(float(s), float(q), int(n))
+        self.mechanism, self._history = loaded.mechanism, loaded._history  # all or nothing
 
 
 def compute_epsilon(
