@@ -4,8 +4,8 @@
     python benchmarks/orthogonal_conv.py --dataset mnist --data-dir ../shared/data/mnist --models cnn --epochs 5 \
         --batch-size 4096 --target-only --out results/orthogonal_conv_mnist.json
 
-Every run goes through ``clipless train`` (the CLI's defaults unless set here) with ``--conv lipschitz`` and
-``--conv orthogonal``, one after the other in one process, and reports test accuracy, epsilon and wall time.
+Every run goes through ``clipless train`` (the CLI's defaults unless set here) with each ``--conv`` of ``--convs``,
+one after the other in one process, and reports test accuracy, epsilon and wall time.
 Two privacy levels: little (``--noise-multiplier 0.2``, rdp accountant, no budget limit: the epsilon reported is
 in the hundreds, no meaningful guarantee; it shows what the architectures can learn) and the target ``--epsilon``.
 """
@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--tau", type=float, default=16.0)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--loss-grad-clip", type=float, default=0.5)
+    p.add_argument("--convs", nargs="+", default=["lipschitz", "orthogonal", "orthogonal_fixed"])
     p.add_argument("--target-only", action="store_true", help="skip the little-noise runs")
     p.add_argument("--out", default="results/orthogonal_conv.json")
     args = p.parse_args()
@@ -58,12 +59,12 @@ def main() -> None:
     rows = []
     for model in args.models:
         for level, flags in levels.items():
-            for conv in ("lipschitz", "orthogonal"):
+            for conv in args.convs:
                 outcome = run(common + flags + ["--model", model, "--conv", conv])
                 rows.append({"model": model, "privacy": level, "conv": conv, **outcome})
                 print(rows[-1], flush=True)
-    print_table(f"{'model':<7} {'privacy':<11} {'conv':<11} {'test acc':>8} {'epsilon':>9} {'s':>6}",
-                [f"{r['model']:<7} {r['privacy']:<11} {r['conv']:<11} {100 * r['accuracy']:8.1f} {r['epsilon']:9.3g} "
+    print_table(f"{'model':<7} {'privacy':<11} {'conv':<16} {'test acc':>8} {'epsilon':>9} {'s':>6}",
+                [f"{r['model']:<7} {r['privacy']:<11} {r['conv']:<16} {100 * r['accuracy']:8.1f} {r['epsilon']:9.3g} "
                  f"{r['seconds']:6.0f}" for r in rows])
     write_json(args.out, {"dataset": args.dataset, "settings": vars(args), "rows": rows})
 

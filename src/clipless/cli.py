@@ -129,7 +129,7 @@ SCHEMA: Dict[str, Any] = {
     "features": _choice("auto", "none", "scattering"),
     "colour_space": _choice("rgb", "hsv", "yuv", "grayscale"),
     "activation": _text(),
-    "conv": _choice("lipschitz", "orthogonal"),
+    "conv": _choice("lipschitz", "orthogonal", "orthogonal_fixed"),
     "input_clip": _number(float, 0, optional=True),
     "loss": _choice("tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"),
     "tau": _number(float, 0),
@@ -204,9 +204,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="colour images: the fixed per-pixel map applied before anything else (data-independent; "
                    "default rgb)")
     p.add_argument("--activation", help="maxmin or groupsortK")
-    p.add_argument("--conv", choices=["lipschitz", "orthogonal"],
-                   help="convolutions of cnn, vgg and resnet: lipschitz (operator norm <= 1, the default) or "
-                   "orthogonal (BCOP, gradient-norm preserving)")
+    p.add_argument("--conv", choices=["lipschitz", "orthogonal", "orthogonal_fixed"],
+                   help="convolutions of cnn, vgg and resnet: lipschitz (operator norm <= 1, the default), "
+                   "orthogonal (BCOP, gradient-norm preserving) or orthogonal_fixed (BCOP with fixed spatial "
+                   "projectors: only the channel mixing is trained)")
     p.add_argument("--input-clip", type=float, help="clip every input to this L2 norm (data-independent)")
     p.add_argument("--loss", choices=["tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"])
     p.add_argument("--tau", type=float, help="temperature of tau_ce")

@@ -179,3 +179,20 @@ def test_declared_constants_are_read_only_and_the_kernel_is_differentiable():
     conv.kernel().sum().backward()
     assert all(p.grad is not None for p in conv.parameters())
     assert math.isfinite(conv.layer_bound(1.0, (2, 5, 5)).param_factors["row0"])
+
+
+def test_fixed_projectors_train_the_mixing_alone_and_keep_their_bounds():
+    torch.manual_seed(0)
+    conv = cl.OrthogonalConv2d(3, 4, 3, train_projectors=False)
+    assert [name for name, _ in conv.named_parameters()] == ["mix"]
+    assert {"row0", "row1", "col0", "col1"} <= set(conv.state_dict())  # fixed, but saved with the model
+    fixed = conv.row0.clone()
+    with torch.no_grad():
+        conv.mix.mul_(2.0)
+    conv.project_()
+    assert torch.equal(conv.row0, fixed)
+    assert conv.layer_bound(1.0, (3, 6, 6)).lipschitz <= 1 + 1e-5
+    check(nn.Sequential(conv, cl.MaxMin(), *head(4 * 36)), (3, 6, 6), radius=1.0, trained=True)
+    model = cl.lipschitz_cnn((1, 8, 8), CLASSES, channels=(4,), conv="orthogonal_fixed")
+    convs = [m for m in model.modules() if isinstance(m, cl.OrthogonalConv2d)]
+    assert convs and all([n for n, _ in m.named_parameters()] == ["mix"] for m in convs)

@@ -206,12 +206,14 @@ class OrthogonalConv2d(BoundedModule):
     ``||dP||_F <= 2 ||Q||_2 ||dQ||_F``.  Hence the factors ``sqrt(s) X prod_j l_j`` for ``H`` and
     ``2 sqrt(2) ||Q_i||_2 ||H||_2 prod_{j != i} l_j sqrt(s) X`` for ``Q_i``, from certified norms of the
     stored (not necessarily projected) parameters.  ``project_`` orthonormalizes ``H`` and every ``Q_i`` (Björck).
+    ``train_projectors=False`` keeps the ``Q_i`` fixed (buffers): the noise then goes to ``H`` alone, whose bound is
+    much closer to its gradients than the ``Q_i``'s (docs/results.md).
     """
 
     constants = ("in_channels", "out_channels", "kernel_size", "padding_mode")
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, padding_mode: str = "zeros",
-                 bjorck_iters: int = 30) -> None:
+                 bjorck_iters: int = 30, train_projectors: bool = True) -> None:
         super().__init__()
         if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be an odd positive integer (stride 1, 'same' padding), "
@@ -228,7 +230,11 @@ class OrthogonalConv2d(BoundedModule):
         self.mix = nn.Parameter(nn.init.orthogonal_(torch.empty(c, c)))
         self._blocks = [f"{axis}{i}" for axis in ("row", "col") for i in range(kernel_size - 1)]
         for name in self._blocks:
-            self.register_parameter(name, nn.Parameter(nn.init.orthogonal_(torch.empty(rank, c))))
+            q = nn.init.orthogonal_(torch.empty(rank, c))
+            if train_projectors:
+                self.register_parameter(name, nn.Parameter(q))
+            else:  # fixed random spatial mixing: only H learns, and no noise is spent on the Q_i
+                self.register_buffer(name, q)
 
     def kernel(self) -> torch.Tensor:
         """The ``(out, in, k, k)`` kernel built from the factors (differentiable)."""
@@ -266,15 +272,17 @@ class OrthogonalConv2d(BoundedModule):
         norms = [certified_spectral_norm(getattr(self, name)) for name in self._blocks]
         tap_bounds = [max(1.0, 2.0 * n * n - 1.0) * CERT_MARGIN for n in norms]
         factors = {"mix": math.prod(tap_bounds) * root}
+        trained = {name for name, _ in self.named_parameters(recurse=False)}
         for i, name in enumerate(self._blocks):
+            if name not in trained:
+                continue
             others = math.prod(tap_bounds[:i] + tap_bounds[i + 1:])
             factors[name] = 2.0 * math.sqrt(2.0) * norms[i] * mix_norm * others * root * CERT_MARGIN
         return LayerBound(lipschitz=lip, out_bound=lip * x_bound, param_factors=factors)
 
     @torch.no_grad()
     def project_(self) -> None:
-        for name in ("mix", *self._blocks):
-            param = getattr(self, name)
+        for _, param in self.named_parameters(recurse=False):
             param.copy_(bjorck_orthonormalize(param, self.bjorck_iters)[0])
 
     def extra_repr(self) -> str:

@@ -106,14 +106,15 @@ def _dense_head(width: int, hidden: Sequence[int], num_classes: int, activation:
     return layers
 
 
-CONVS = ("lipschitz", "orthogonal")
+CONVS = ("lipschitz", "orthogonal", "orthogonal_fixed")
 
 
 def _conv(c_in: int, c_out: int, kernel_size: int, conv: str, operator_norm: str,
           projection: str = "spectral") -> nn.Module:
-    """A stride-1 'same' convolution: ``LipschitzConv2d`` (operator norm <= 1) or ``OrthogonalConv2d`` (BCOP)."""
-    if conv == "orthogonal":
-        return OrthogonalConv2d(c_in, c_out, kernel_size)
+    """A stride-1 'same' convolution: ``LipschitzConv2d`` (operator norm <= 1) or ``OrthogonalConv2d`` (BCOP;
+    ``orthogonal_fixed``: its spatial projectors fixed, only the channel mixing trained)."""
+    if conv in ("orthogonal", "orthogonal_fixed"):
+        return OrthogonalConv2d(c_in, c_out, kernel_size, train_projectors=conv == "orthogonal")
     if conv != "lipschitz":
         raise ValueError(f"conv must be one of {CONVS}, got {conv!r}")
     return LipschitzConv2d(c_in, c_out, kernel_size, projection=projection, operator_norm=operator_norm)
