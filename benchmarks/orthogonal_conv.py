@@ -1,4 +1,4 @@
-"""Orthogonal (BCOP) against norm-contracting Lipschitz convolutions, same architectures and settings (issue 18, item 2).
+"""Orthogonal (BCOP) against norm-contracting Lipschitz convolutions, same architectures and settings (issue 18).
 
     python benchmarks/orthogonal_conv.py --out results/orthogonal_conv.json
     python benchmarks/orthogonal_conv.py --dataset mnist --data-dir ../shared/data/mnist --models cnn --epochs 5 \
