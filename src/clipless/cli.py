@@ -536,12 +536,11 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     if config["method"] != "clipless" and torch.distributed.is_initialized():
         raise SystemExit(f"--method {config['method']}: the baselines run in one process; only clipless training is "
                          "distributed")
-    if config["method"] != "clipless" and config["augmult"] > 1:
-        raise SystemExit(f"--augmult is an option of clipless training, not of --method {config['method']}")
-    if config["method"] != "clipless" and config["conv"] != "lipschitz":
-        raise SystemExit(f"--conv is an option of clipless training, not of --method {config['method']}")
-    if config["method"] != "clipless" and config["average_decay"] is not None:
-        raise SystemExit(f"--average-decay is an option of clipless training, not of --method {config['method']}")
+    clipless_only = {"--augmult": config["augmult"] > 1, "--conv": config["conv"] != "lipschitz",
+                     "--average-decay": config["average_decay"] is not None}
+    for flag, used in clipless_only.items():
+        if used and config["method"] != "clipless":
+            raise SystemExit(f"{flag} is an option of clipless training, not of --method {config['method']}")
     data, shape, seed = _prepare_data(config)
     if config["method"] != "clipless":
         return run_baseline(config, data, seed)

@@ -110,11 +110,7 @@ class LipschitzConv2d(BoundedModule):
 
     def overlap_for(self, in_shape: Tuple[int, ...]) -> int:
         """Exact ``s``: max over input pixels of the number of (patch, offset) pairs reading it."""
-        h, w = in_shape[-2], in_shape[-1]
-        circular = self.padding_mode == "circular"
-        return _max_reads(h, self.kernel_size[0], self.stride, self.padding[0], circular) * _max_reads(
-            w, self.kernel_size[1], self.stride, self.padding[1], circular
-        )
+        return _overlap(in_shape, self.kernel_size, self.stride, self.padding, self.padding_mode == "circular")
 
     def fft_operator_norm(self, in_shape: Tuple[int, ...]) -> float:
         """Certified operator norm of this layer from the exact singular values of a circular convolution
@@ -254,10 +250,6 @@ class OrthogonalConv2d(BoundedModule):
             return F.conv2d(F.pad(x, (pad, pad, pad, pad), mode="circular"), self.kernel())
         return F.conv2d(x, self.kernel(), padding=pad)
 
-    def _overlap(self, in_shape: Tuple[int, ...]) -> int:
-        k, pad, circular = self.kernel_size, self.kernel_size // 2, self.padding_mode == "circular"
-        return _max_reads(in_shape[-2], k, 1, pad, circular) * _max_reads(in_shape[-1], k, 1, pad, circular)
-
     def certified_lipschitz(self, in_shape: Tuple[int, ...]) -> float:
         """``l``: the FFT operator norm of the built kernel (float64, certified)."""
         pad = self.kernel_size // 2
@@ -267,7 +259,8 @@ class OrthogonalConv2d(BoundedModule):
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
         lip = self.certified_lipschitz(in_shape)
-        root = math.sqrt(self._overlap(in_shape)) * x_bound
+        k, pad = self.kernel_size, self.kernel_size // 2
+        root = math.sqrt(_overlap(in_shape, (k, k), 1, (pad, pad), self.padding_mode == "circular")) * x_bound
         mix_norm = certified_spectral_norm(self.mix)
         norms = [certified_spectral_norm(getattr(self, name)) for name in self._blocks]
         tap_bounds = [max(1.0, 2.0 * n * n - 1.0) * CERT_MARGIN for n in norms]
@@ -336,6 +329,13 @@ def fft_operator_norm(kernel: torch.Tensor, in_shape: Tuple[int, ...], padding: 
         out_h, out_w = (h + 2 * ph - kh) // st + 1, (w + 2 * pw - kw) // st + 1
         repeats = _max_repeats(h, out_h, st) * _max_repeats(w, out_w, st)
     return norm * math.sqrt(repeats) * (1 + 1e-7)
+
+
+def _overlap(in_shape: Tuple[int, ...], kernel_size: Tuple[int, int], stride: int, padding: Tuple[int, int],
+             circular: bool) -> int:
+    """Exact ``s`` of a 2-D convolution: the product of the 1-D maxima of :func:`_max_reads`."""
+    return (_max_reads(in_shape[-2], kernel_size[0], stride, padding[0], circular)
+            * _max_reads(in_shape[-1], kernel_size[1], stride, padding[1], circular))
 
 
 def _max_reads(n: int, k: int, stride: int, pad: int, circular: bool) -> int:
