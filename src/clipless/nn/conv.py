@@ -13,11 +13,10 @@ from ..privacy.certified import (
     CERT_MARGIN,
     BoundError,
     CertifiedValueCache,
-    certified_norm,
     certified_spectral_norm,
 )
 from ..privacy.modules import BoundedModule, LayerBound
-from .functional import bjorck_orthonormalize, check_projection, clip_norm_, project_matrix_
+from .functional import affine_layer_bound, bjorck_orthonormalize, check_projection, clip_norm_, project_matrix_
 
 __all__ = ["LipschitzConv2d", "OrthogonalConv2d", "fft_operator_norm"]
 
@@ -169,13 +168,7 @@ class LipschitzConv2d(BoundedModule):
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
         root_s = math.sqrt(self.overlap_for(in_shape))
         lip = self.certified_lipschitz(in_shape)
-        factors = {"weight": root_s * x_bound}
-        bias_term = 0.0
-        if self.bias is not None:
-            root_p = math.sqrt(self.output_positions(in_shape))
-            factors["bias"] = root_p
-            bias_term = root_p * certified_norm(self.bias)
-        return LayerBound(lipschitz=lip, out_bound=lip * x_bound + bias_term, param_factors=factors)
+        return affine_layer_bound(lip, x_bound, root_s * x_bound, self.bias, self.output_positions(in_shape))
 
     def extra_repr(self) -> str:
         return (

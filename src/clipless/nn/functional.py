@@ -14,15 +14,32 @@ from ..privacy.certified import (
     CertifiedValueCache,
     bjorck_residual,
     certified_bjorck_step,
+    certified_norm,
     certified_spectral_norm,
 )
+from ..privacy.modules import LayerBound
 
 __all__ = ["per_example_norm", "broadcast_per_example", "bjorck_orthonormalize", "project_matrix_", "clip_norm_",
-           "positive_finite", "check_projection", "max_min", "l2_norm_pool2d", "rescale_to_unit_ball_"]
+           "positive_finite", "check_projection", "max_min", "l2_norm_pool2d", "rescale_to_unit_ball_",
+           "affine_layer_bound"]
 
 
 def per_example_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.flatten(1), dim=1)
+
+
+def affine_layer_bound(lip: float, x_bound: float, weight_factor: float, bias, positions: int) -> LayerBound:
+    """Bound of ``y = A(W) x + b`` with ``b`` broadcast over ``positions`` outputs.
+
+    ``||y|| <= lip X + sqrt(P) ||b||`` and ``||dy/db||_op = sqrt(P)``, so the bias factor is ``sqrt(P)``.
+    """
+    factors = {"weight": weight_factor}
+    bias_term = 0.0
+    if bias is not None:
+        root_p = math.sqrt(positions)
+        factors["bias"] = root_p
+        bias_term = root_p * certified_norm(bias)
+    return LayerBound(lipschitz=lip, out_bound=lip * x_bound + bias_term, param_factors=factors)
 
 
 def broadcast_per_example(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,10 @@ from torch import nn
 
 from ..privacy.certified import (
     CertifiedValueCache,
-    certified_norm,
     certified_spectral_norm,
 )
 from ..privacy.modules import BoundedModule, LayerBound
-from .functional import bjorck_orthonormalize, check_projection, clip_norm_, rescale_to_unit_ball_
+from .functional import affine_layer_bound, bjorck_orthonormalize, check_projection, clip_norm_, rescale_to_unit_ball_
 
 __all__ = ["LipschitzLinear"]
 
@@ -81,13 +80,7 @@ class LipschitzLinear(BoundedModule):
         lip = self._norm_cache.get(self.weight, None)
         if lip is None:
             lip = self._norm_cache.put(self.weight, None, certified_spectral_norm(self.weight))
-        factors = {"weight": x_bound}
-        bias_term = 0.0
-        if self.bias is not None:
-            root_p = math.sqrt(math.prod(in_shape[:-1]))  # the bias is broadcast over P positions
-            factors["bias"] = root_p
-            bias_term = root_p * certified_norm(self.bias)
-        return LayerBound(lipschitz=lip, out_bound=lip * x_bound + bias_term, param_factors=factors)
+        return affine_layer_bound(lip, x_bound, x_bound, self.bias, math.prod(in_shape[:-1]))
 
     def extra_repr(self) -> str:
         return (
