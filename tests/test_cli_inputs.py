@@ -260,6 +260,25 @@ def test_every_shipped_recipe_is_a_valid_config() -> None:
         assert config["epsilon"] > 0 and "dataset" in config
 
 
+def test_mnist_recipes_are_the_choices_of_the_validation_search() -> None:
+    """configs/mnist.yaml and configs/mnist_eps3.yaml hold what benchmarks/mnist_search.py chose on validation
+    (a recipe edited by hand, or a search that moved on without its file, fails here)."""
+    import importlib.util
+    from pathlib import Path
+
+    from clipless.cli import _read_yaml, validate
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("mnist_search", root / "benchmarks" / "mnist_search.py")
+    search = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(search)
+    for name, chosen, epsilon in (("mnist.yaml", search.FINAL["first"], 1.0),
+                                  ("mnist_eps3.yaml", search.FINAL["third"], 3.0)):
+        config = validate(_read_yaml(str(root / "configs" / name)))
+        assert config["features"] == "scattering" and config["epsilon"] == epsilon, name
+        assert {k: config[k] for k in chosen} == chosen, name
+
+
 def test_loss_gradient_clip_can_be_turned_off_from_flags(tmp_path) -> None:
     """The default clip (0.25) is switched off by --no-loss-grad-clip, over a YAML value too; giving both flags
     is refused."""
