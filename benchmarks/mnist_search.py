@@ -83,7 +83,7 @@ PIXELS = [
 ]
 ROUNDS = {"first": GRID, "second": [CHOSEN, *SECOND], "third": [CHOSEN, *THIRD], "pixels": PIXELS}
 # What --final-only scores for each round: its choice (the search picks again when it runs).
-FINAL = {"first": CHOSEN, "second": CHOSEN, "third": CHOSEN_EPS3, "pixels": {**_PIXELS, "input_clip": 8.0}}
+FINAL = {"first": CHOSEN, "second": CHOSEN, "third": CHOSEN_EPS3, "pixels": {**_PIXELS, "input_clip": 5.0}}
 
 
 def features(data_dir: str):

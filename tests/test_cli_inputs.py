@@ -272,10 +272,11 @@ def test_mnist_recipes_are_the_choices_of_the_validation_search() -> None:
     spec = importlib.util.spec_from_file_location("mnist_search", root / "benchmarks" / "mnist_search.py")
     search = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(search)
-    for name, chosen, epsilon in (("mnist.yaml", search.FINAL["first"], 1.0),
-                                  ("mnist_eps3.yaml", search.FINAL["third"], 3.0)):
+    for name, chosen, epsilon in (("mnist.yaml", {"features": "scattering", **search.FINAL["first"]}, 1.0),
+                                  ("mnist_eps3.yaml", {"features": "scattering", **search.FINAL["third"]}, 3.0),
+                                  ("mnist_pixels.yaml", search.FINAL["pixels"], 3.0)):
         config = validate(_read_yaml(str(root / "configs" / name)))
-        assert config["features"] == "scattering" and config["epsilon"] == epsilon, name
+        assert config["epsilon"] == epsilon, name
         assert {k: config[k] for k in chosen} == chosen, name
 
 
