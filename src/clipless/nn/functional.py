@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,8 @@ def per_example_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.flatten(1), dim=1)
 
 
-def affine_layer_bound(lip: float, x_bound: float, weight_factor: float, bias, positions: int) -> LayerBound:
+def affine_layer_bound(lip: float, x_bound: float, weight_factor: float, bias: Optional[torch.Tensor],
+                       positions: int) -> LayerBound:
     """Bound of ``y = A(W) x + b`` with ``b`` broadcast over ``positions`` outputs.
 
     ``||y|| <= lip X + sqrt(P) ||b||`` and ``||dy/db||_op = sqrt(P)``, so the bias factor is ``sqrt(P)``.
