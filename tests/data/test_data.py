@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import clipless as cl
-from clipless.data.datasets import clip_norm, normalize_to_sphere, read_idx, write_idx
+from clipless.data.datasets import clip_norm, normalize_to_sphere, read_idx, signed_log1p, signed_sqrt, write_idx
 
 
 def test_digits_embedded():
@@ -85,6 +85,15 @@ def test_preprocessing_is_per_example():
     assert norms[0] == 0 and torch.allclose(norms[1:], torch.full((4,), 3.0))
     # one example's output does not depend on the others (no batch statistics)
     assert torch.equal(clip_norm(x[2:3], 2.0), clipped[2:3])
+
+
+def test_tabular_feature_maps_are_fixed_and_per_feature():
+    x = torch.tensor([[-4.0, 0.0, 0.25], [9.0, -0.01, 1.0]], dtype=torch.float64)
+    assert signed_sqrt(x).tolist() == [[-2.0, 0.0, 0.5], [3.0, -0.1, 1.0]]
+    assert torch.allclose(signed_log1p(x), torch.sign(x) * torch.log(1 + x.abs()))
+    # a histogram (non-negative, summing to one) lands on the unit sphere under the Hellinger map
+    hist = torch.distributions.Dirichlet(torch.full((27,), 0.3)).sample((50,)).double()
+    assert torch.allclose(signed_sqrt(hist).norm(dim=1), torch.ones(50, dtype=torch.float64))
 
 
 def test_dataset_name_errors():

@@ -18,6 +18,7 @@ from .datasets import (
     normalize_to_sphere,
     read_idx,
     signed_log1p,
+    signed_sqrt,
 )
 
-__all__ = ["ArrayDataset", "ImageAugmentation", "DataSplit", "check_finite", "clip_norm", "convert_colour_space", "input_norms", "load_dataset", "load_digits", "load_cifar10", "load_idx_images", "load_image_folder", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p"]
+__all__ = ["ArrayDataset", "ImageAugmentation", "DataSplit", "check_finite", "clip_norm", "convert_colour_space", "input_norms", "load_dataset", "load_digits", "load_cifar10", "load_idx_images", "load_image_folder", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p", "signed_sqrt"]

@@ -31,6 +31,7 @@ __all__ = [
     "clip_norm",
     "normalize_to_sphere",
     "signed_log1p",
+    "signed_sqrt",
     "COLOUR_SPACES",
     "convert_colour_space",
     "convert_split_colour_space",
@@ -120,6 +121,14 @@ def normalize_to_sphere(x: torch.Tensor, radius: float = 1.0) -> torch.Tensor:
 def signed_log1p(x: torch.Tensor) -> torch.Tensor:
     """``sign(x) log(1 + |x|)`` per feature: a fixed, data-independent squashing of heavy-tailed tabular features."""
     return torch.sign(x) * torch.log1p(x.abs())
+
+
+def signed_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``sign(x) sqrt(|x|)`` per feature (fixed, data-independent): the Hellinger map of histogram features.
+
+    A row of proportions summing to one lands on the unit sphere, and small bins are spread out.
+    """
+    return torch.sign(x) * x.abs().sqrt()
 
 
 COLOUR_SPACES = ("rgb", "hsv", "yuv", "grayscale")
