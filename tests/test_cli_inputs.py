@@ -57,6 +57,9 @@ def _train(out, *extra):
     (["--average-decay", "0"], "--average-decay: must be > 0"),
     (["--average-decay", "0.9", "--method", "dpsgd"], "--average-decay is an option of clipless training"),
     (["--conv", "orthogonal", "--model", "cnn", "--method", "dpsgd"], "--conv is an option of clipless training"),
+    (["--layer-noise", "energy"], "--layer-noise energy allocates noise between layers: it needs --strategy per_layer"),
+    (["--layer-noise", "energy", "--strategy", "per_layer", "--method", "dpsgd"],
+     "--layer-noise is an option of clipless training"),
     (["--noise-multiplier", "0.01"], "noise multiplier 0.01 is below 0.2 .* use the rdp accountant"),
     (["--conv", "orthogonal"], "--conv orthogonal applies to the cnn, vgg and resnet models, not mlp"),
 ])
@@ -278,6 +281,27 @@ def test_mnist_recipes_are_the_choices_of_the_validation_search() -> None:
         config = validate(_read_yaml(str(root / "configs" / name)))
         assert config["epsilon"] == epsilon, name
         assert {k: config[k] for k in chosen} == chosen, name
+
+
+def test_energy_layer_noise_from_the_cli_keeps_epsilon_and_unequal_sigmas(tmp_path, monkeypatch) -> None:
+    import clipless.train.trainer as trainer_module
+
+    plans = []
+    original = trainer_module.PrivateTrainer.fit
+
+    def fit(self):
+        plans.append(self.optimizer.plan)
+        return original(self)
+
+    monkeypatch.setattr(trainer_module.PrivateTrainer, "fit", fit)
+    result = _train(tmp_path / "run", "--features", "none", "--strategy", "per_layer", "--layer-noise", "energy",
+                    "--epsilon", "2")
+    plan = plans[0]
+    sigmas = list(plan.layer_sigmas.values())
+    assert len(sigmas) == 2 and max(sigmas) > 1.2 * min(sigmas)  # MLP 64-16-10: its layers differ in p_d g_d^2
+    # the accounted multiplier is the composition of what is drawn, and the run stays within its target
+    assert sum(s ** -2 for s in sigmas) ** -0.5 == pytest.approx(plan.step_sigma, rel=1e-9)
+    assert result["epsilon"] <= 2.0 and result["config"]["layer_noise"] == "energy"
 
 
 def test_loss_gradient_clip_can_be_turned_off_from_flags(tmp_path) -> None:

@@ -38,6 +38,7 @@ DEFAULTS: Dict[str, Any] = {
     "batch_size": 1024,
     "epochs": 40,
     "strategy": "global",
+    "layer_noise": "equal",
     "accountant": "pld",
     "optimizer": "adam",
     "lr": 0.01,
@@ -143,6 +144,7 @@ SCHEMA: Dict[str, Any] = {
     "batch_size": _number(float, 0),
     "epochs": _number(int, 1, low_open=False),
     "strategy": _choice("global", "per_layer"),
+    "layer_noise": _choice("equal", "energy"),
     "accountant": _choice("pld", "rdp"),
     "optimizer": _choice("adam", "sgd"),
     "lr": _number(float, 0),
@@ -231,6 +233,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=float, help="expected Poisson batch size")
     p.add_argument("--epochs", type=int)
     p.add_argument("--strategy", choices=["global", "per_layer"])
+    p.add_argument("--layer-noise", choices=["equal", "energy"],
+                   help="with --strategy per_layer: the same sigma for every layer (equal) or sigma_d proportional to "
+                   "(p_d g_d^2)^(-1/4), which minimises the total noise energy (energy; from the bounds and sizes only, "
+                   "never the data); epsilon is the same")
     p.add_argument("--accountant", choices=["pld", "rdp"])
     p.add_argument("--optimizer", choices=["adam", "sgd"])
     p.add_argument("--lr", type=float)
@@ -509,6 +515,7 @@ def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, trai
         noise_multiplier=config["noise_multiplier"],
         input_bound=input_bound,
         strategy=config["strategy"],
+        layer_noise_multipliers=_layer_noise(config),
         accountant=config["accountant"],
         noise_seed=config["noise_seed"],
         test_data=test_data,
@@ -519,6 +526,16 @@ def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, trai
         augment=_augmentation(config, shape),
         average_decay=config["average_decay"],
     )
+
+
+def _layer_noise(config: Dict[str, Any]) -> Optional[str]:
+    """The relative per-layer noise multipliers of the run (``'energy'``), or ``None`` for equal ones."""
+    if config["layer_noise"] == "equal":
+        return None
+    if config["strategy"] != "per_layer":
+        raise SystemExit(f"--layer-noise {config['layer_noise']} allocates noise between layers: it needs "
+                         "--strategy per_layer")
+    return config["layer_noise"]
 
 
 def _augmentation(config: Dict[str, Any], shape: Tuple[int, ...]) -> Any:
@@ -537,10 +554,12 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         raise SystemExit(f"--method {config['method']}: the baselines run in one process; only clipless training is "
                          "distributed")
     clipless_only = {"--augmult": config["augmult"] > 1, "--conv": config["conv"] != "lipschitz",
-                     "--average-decay": config["average_decay"] is not None}
+                     "--average-decay": config["average_decay"] is not None,
+                     "--layer-noise": config["layer_noise"] != "equal"}
     for flag, used in clipless_only.items():
         if used and config["method"] != "clipless":
             raise SystemExit(f"{flag} is an option of clipless training, not of --method {config['method']}")
+    _layer_noise(config)  # refuses an allocation without --strategy per_layer before any data is read
     data, shape, seed = _prepare_data(config)
     if config["method"] != "clipless":
         return run_baseline(config, data, seed)
@@ -734,12 +753,13 @@ def run_audit(config: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any
         _, planned, _ = PrivacyEngine(config["accountant"]).make_private(
             module=probe, optimizer=torch.optim.SGD(probe.parameters(), lr=0.0), data=data.train, loss=loss,
             noise_multiplier=config["noise_multiplier"], input_shape=shape, batch_size=config["batch_size"],
-            input_bound=input_bound, strategy=config["strategy"], target_epsilon=config["epsilon"],
-            target_delta=config["delta"], epochs=config["epochs"])
+            input_bound=input_bound, strategy=config["strategy"], layer_noise_multipliers=_layer_noise(config),
+            target_epsilon=config["epsilon"], target_delta=config["delta"], epochs=config["epochs"])
         sample_rate = 1.0 if args.sampling == "full" else float(config["batch_size"]) / n
         result = audit_step(model, loss, input_shape=shape, input_bound=input_bound,
                             noise_multiplier=planned.plan.gradient_sigma, sample_rate=sample_rate,
-                            strategy=config["strategy"], accountant=config["accountant"], delta=config["delta"],
+                            strategy=config["strategy"], layer_noise_multipliers=_layer_noise(config),
+                            accountant=config["accountant"], delta=config["delta"],
                             trials=trials, confidence=args.confidence, noise_scale=args.noise_scale,
                             noise_seed=config["noise_seed"], progress=bool(config["progress"]))
         extra["audited_weights"] = "the model at initialization (public seed); no training data is used"
