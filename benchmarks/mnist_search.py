@@ -14,7 +14,8 @@ Protocol:
 
 The search itself is not accounted in epsilon (as in the papers compared with); docs/results.md says how many
 configurations it tried. ``configs/mnist.yaml`` holds the epsilon-1 choice,
-``configs/mnist_eps3.yaml`` the epsilon-3 choice of ``--grid third``.
+``configs/mnist_eps3.yaml`` the epsilon-3 choice of ``--grid third``, ``configs/mnist_pixels.yaml`` the choice of
+``--grid pixels2`` (raw pixels).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ THIRD = [
 # and length.
 _PIXELS = {"features": "none", "model": "cnn", "conv": "orthogonal_fixed", "epochs": 5, "batch_size": 4096,
            "tau": 16.0, "lr": 1e-2, "loss_grad_clip": 0.5}
-CHOSEN_PIXELS = {**_PIXELS, "input_clip": 5.0}  # the best of --grid pixels at epsilon 3: configs/mnist_pixels.yaml
+CHOSEN_PIXELS = {**_PIXELS, "input_clip": 5.0}  # the best of --grid pixels at epsilon 3
 PIXELS = [
     _PIXELS,
     {**_PIXELS, "input_clip": 8.0},
@@ -87,6 +88,7 @@ PIXELS = [
 # sigma Delta over-noises the dense layer, which holds 92% of the trained parameters), with its temperature,
 # length and width.
 _ENERGY = {**CHOSEN_PIXELS, "strategy": "per_layer", "layer_noise": "energy"}
+CHOSEN_PIXELS2 = {**_ENERGY, "epochs": 20, "batch_size": 8192}  # the best of --grid pixels2: configs/mnist_pixels.yaml
 PIXELS2 = [
     {**CHOSEN_PIXELS, "augmult": 2, "augment_shift": 2},
     _ENERGY,
@@ -94,11 +96,14 @@ PIXELS2 = [
     {**_ENERGY, "epochs": 10},
     {**_ENERGY, "channels": [32, 64]},
     {**_ENERGY, "epochs": 20},
+    CHOSEN_PIXELS2,
+    {**_ENERGY, "epochs": 10, "channels": [16, 32, 64]},
+    {**_ENERGY, "epochs": 40, "batch_size": 16384},
 ]
 ROUNDS = {"first": GRID, "second": [CHOSEN, *SECOND], "third": [CHOSEN, *THIRD], "pixels": PIXELS,
           "pixels2": [CHOSEN_PIXELS, *PIXELS2]}
 # What --final-only scores for each round: its choice (the search picks again when it runs).
-FINAL = {"first": CHOSEN, "second": CHOSEN, "third": CHOSEN_EPS3, "pixels": CHOSEN_PIXELS}
+FINAL = {"first": CHOSEN, "second": CHOSEN, "third": CHOSEN_EPS3, "pixels": CHOSEN_PIXELS, "pixels2": CHOSEN_PIXELS2}
 
 
 def features(data_dir: str):
