@@ -88,7 +88,7 @@ PIXELS = [
 # sigma Delta over-noises the dense layer, which holds 92% of the trained parameters), with its temperature,
 # length and width.
 _ENERGY = {**CHOSEN_PIXELS, "strategy": "per_layer", "layer_noise": "energy"}
-CHOSEN_PIXELS2 = {**_ENERGY, "epochs": 20, "batch_size": 8192}  # the best of --grid pixels2: configs/mnist_pixels.yaml
+CHOSEN_PIXELS2 = {**_ENERGY, "epochs": 40, "batch_size": 16384}  # the best of --grid pixels2: configs/mnist_pixels.yaml
 PIXELS2 = [
     {**CHOSEN_PIXELS, "augmult": 2, "augment_shift": 2},
     _ENERGY,
@@ -96,9 +96,9 @@ PIXELS2 = [
     {**_ENERGY, "epochs": 10},
     {**_ENERGY, "channels": [32, 64]},
     {**_ENERGY, "epochs": 20},
-    CHOSEN_PIXELS2,
+    {**_ENERGY, "epochs": 20, "batch_size": 8192},
     {**_ENERGY, "epochs": 10, "channels": [16, 32, 64]},
-    {**_ENERGY, "epochs": 40, "batch_size": 16384},
+    CHOSEN_PIXELS2,
 ]
 ROUNDS = {"first": GRID, "second": [CHOSEN, *SECOND], "third": [CHOSEN, *THIRD], "pixels": PIXELS,
           "pixels2": [CHOSEN_PIXELS, *PIXELS2]}
