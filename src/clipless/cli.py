@@ -234,9 +234,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int)
     p.add_argument("--strategy", choices=["global", "per_layer"])
     p.add_argument("--layer-noise", choices=["equal", "energy"],
-                   help="with --strategy per_layer: the same sigma for every layer (equal) or sigma_d proportional to "
-                   "(p_d g_d^2)^(-1/4), which minimises the total noise energy (energy; from the bounds and sizes only, "
-                   "never the data); epsilon is the same")
+                   help="with --strategy per_layer: the same sigma for every layer (equal) or sigma_d proportional "
+                   "to (p_d g_d^2)^(-1/4), which minimises the total noise energy (energy; from the bounds and "
+                   "sizes only, never the data); epsilon is the same")
     p.add_argument("--accountant", choices=["pld", "rdp"])
     p.add_argument("--optimizer", choices=["adam", "sgd"])
     p.add_argument("--lr", type=float)
