@@ -161,10 +161,17 @@ def test_kl_to_delta_is_clamped_and_vacuity_said():
 
 
 # -- files written ---------------------------------------------------------------------------------------------
-def test_output_dir_that_is_a_file_refused(tmp_path):
+@pytest.mark.parametrize("method", ["clipless", "dpsgd", "nonprivate"])
+def test_every_method_creates_a_missing_output_dir(tmp_path, method):
+    out = tmp_path / "new" / "nested"
+    assert _train(out, "--method", method)["config"]["method"] == method
+
+
+@pytest.mark.parametrize("method", ["clipless", "dpsgd", "nonprivate"])
+def test_output_dir_that_is_a_file_refused_for_every_method(tmp_path, method):
     path = tmp_path / "out"
     path.write_text("keep me")
-    _refused(["train", *FAST, "--output-dir", str(path)], "is a file, not a directory")
+    _refused(["train", *FAST, "--method", method, "--output-dir", str(path)], "is a file, not a directory")
     assert path.read_text() == "keep me"
 
 

@@ -652,6 +652,8 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
     if config["model"] not in ("mlp", "cnn"):
         raise SystemExit(f"--method {config['method']} has unconstrained counterparts of mlp and cnn only, "
                          f"not {config['model']}")
+    out_dir = Path(config["output_dir"])
+    prepare_output_dir(out_dir)  # before training, as for clipless runs: a missing directory is created
     if config["model"] == "cnn":
         model = standard_cnn(shape, classes, channels=config["channels"], hidden=config["hidden"])
     else:
@@ -667,7 +669,7 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
         outcome = train_nonprivate(model, data.train, **common)
     result = outcome.to_dict()
     result.update({"dataset": data.name, "config": config, "effective_noise_multiplier": outcome.noise_multiplier})
-    return _write_result(Path(config["output_dir"]), result)
+    return _write_result(out_dir, result)
 
 
 def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
