@@ -149,7 +149,7 @@ SCHEMA: Dict[str, Any] = {
     "optimizer": _choice("adam", "sgd"),
     "lr": _number(float, 0),
     "seed": _number(int),
-    "noise_seed": _number(int, optional=True),
+    "noise_seed": _number(int, 0, low_open=False, optional=True),  # -1 is no "random" here: omit it for OS entropy
     "augmult": _number(int, 1, low_open=False),
     "augment_shift": _number(int, 0, low_open=False),
     "augment_flip": _flag,
@@ -681,6 +681,8 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     from .nn.models import build_optimizer
 
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
+    if args.noise_seed is not None and args.noise_seed < 0:
+        raise SystemExit(f"--noise-seed: must be >= 0, got {args.noise_seed} (omit it for noise from OS entropy)")
     if any(k < 1 for k in args.probe_labels):
         raise SystemExit(f"--probe-labels: each count must be >= 1, got {args.probe_labels}")
     try:
