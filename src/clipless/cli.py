@@ -685,6 +685,10 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         raise SystemExit(f"--noise-seed: must be >= 0, got {args.noise_seed} (omit it for noise from OS entropy)")
     if any(k < 1 for k in args.probe_labels):
         raise SystemExit(f"--probe-labels: each count must be >= 1, got {args.probe_labels}")
+    for flag, widths in (("--hidden", args.hidden), ("--channels", args.channels),
+                         ("--embedding-dim", [args.embedding_dim])):
+        if any(w < 1 for w in widths):
+            raise SystemExit(f"{flag}: each width must be >= 1, got {widths}")
     try:
         AugmentedPairs.check_settings(args.blur, args.pixel_noise)
     except ValueError as err:
@@ -695,6 +699,10 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         raise SystemExit("--dataset mnist needs --data-dir (a directory with the MNIST IDX .gz files)")
     data = load_dataset(args.dataset, args.data_dir, seed=seed or 0)
     shape = data.input_shape
+    fewest = int(torch.unique(data.test.labels[::2], return_counts=True)[1].min())  # the probe's labelled half
+    if any(k > fewest for k in args.probe_labels):
+        raise SystemExit(f"--probe-labels: at most {fewest} per class (the smallest class of the test split's "
+                         f"labelled half), got {args.probe_labels}")
     encoder = build_encoder(args.encoder, shape, args.embedding_dim, hidden=args.hidden, channels=args.channels)
     padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
     # Augmentations of the private pairs: secret (OS entropy) unless --noise-seed; the test pairs are public.

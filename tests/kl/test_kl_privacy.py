@@ -205,3 +205,24 @@ def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
         assert r["kl_short"] <= r["kl"] and r["advantage_bound"] <= 1
     assert set(study["summary"]["width"]) == {"lecun", "he"}
     assert "membership attacks within the KL advantage bound" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--digits", "3", "3"], "digits must be two different MNIST digits"),
+    (["--digits", "3", "11"], "digits must be two different MNIST digits"),
+    (["--n-train", "1"], "n_train must be >= 2"),
+    (["--n-heldout", "0"], "n_heldout must be >= 1"),
+    (["--inits", "foo"], "inits must name at least one of"),
+    (["--inits"], "inits must name at least one of"),
+    (["--widths", "8", "0"], r"widths\[1\] must be >= 1"),
+    (["--runs", "0"], "runs must be >= 1"),
+    (["--sigma", "nan"], "sigma must be a positive finite number"),
+    (["--eta", "-1"], "eta must be a positive finite number"),
+])
+def test_kl_study_settings_refused_before_anything_runs(tmp_path, flags, match):
+    from clipless.cli import main
+
+    out = tmp_path / "kl"
+    with pytest.raises(SystemExit, match=match):  # checked before the data directory is even read
+        main(["kl-study", "--data-dir", str(tmp_path / "absent"), *flags, "--output-dir", str(out), "--no-progress"])
+    assert not out.exists()

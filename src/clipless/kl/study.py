@@ -46,6 +46,27 @@ class KLStudyConfig:
     output_dir: str = "runs/kl-study"
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        """Every setting checked before any data is read or any run starts (ValueError names the setting)."""
+        a, b = self.digits
+        if a == b or not (0 <= a <= 9 and 0 <= b <= 9):
+            raise ValueError(f"digits must be two different MNIST digits 0-9, got {self.digits}")
+        unknown = [i for i in self.inits if i not in klp.INIT_SCHEMES]
+        if not self.inits or unknown:
+            raise ValueError(f"inits must name at least one of {klp.INIT_SCHEMES}, got {list(self.inits)}")
+        counts = {"n_train": (self.n_train, 2), "n_heldout": (self.n_heldout, 1), "width": (self.width, 1),
+                  "depth": (self.depth, 1), "steps": (self.steps, 1), "short_steps": (self.short_steps, 1),
+                  "runs": (self.runs, 1)}
+        counts.update({f"widths[{i}]": (w, 1) for i, w in enumerate(self.widths)})
+        counts.update({f"depths[{i}]": (L, 1) for i, L in enumerate(self.depths)})
+        for name, (value, low) in counts.items():
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        for name in ("eta", "sigma", "mia_sigma"):
+            value = getattr(self, name)
+            if not (0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
+
 
 def two_class_mnist(data_dir: str, digits: Tuple[int, int], n_train: int, n_heldout: int,
                     seed: int) -> Dict[str, Any]:
