@@ -7,6 +7,7 @@ step (and the accountant counted it) whose gradient was not what the noise was c
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -209,7 +210,55 @@ def test_weight_used_outside_the_model_in_another_backward_refused():
     model, opt, loss, engine, x, y = _setup()
     loss.per_example(model(x), y).sum().backward()
     nn.functional.linear(x, model[0].weight).square().sum().backward()
-    _refused(opt, engine, "did not go through the private model's output")
+    _refused(opt, engine, r"a weight of the private model was used outside the model's forward \(linear\)")
+
+
+@pytest.mark.parametrize("use", ["linear", "product", "transpose_matmul", "view_penalty", "einsum", "functional_call"])
+def test_weight_used_outside_the_model_in_the_same_backward_refused(use):
+    """A data-dependent use of a weight added to the private loss: the gradient is the loss's plus an
+    unbounded term in the data; before the weights watched their operations this step was released."""
+    model, opt, loss, engine, x, y = _setup()
+    w = model[0].weight
+    if use == "linear":
+        extra = nn.functional.linear(x, w).square().sum()
+    elif use == "product":
+        extra = (w * x.sum()).sum()
+    elif use == "transpose_matmul":
+        extra = (x @ w.t()).sum()
+    elif use == "view_penalty":
+        extra = (w.view(-1)[: x.shape[1]] * x[0]).sum()
+    elif use == "einsum":
+        extra = torch.einsum("ij,kj->", w, x)
+    else:  # the model's forward again, on the same parameters, into another loss
+        extra = torch.func.functional_call(model, dict(model.named_parameters()), (x,)).sum()
+    (loss.per_example(model(x), y).sum() + extra).backward()
+    _refused(opt, engine, "used outside the model's forward|did not come from a clipless loss")
+
+
+def test_weights_read_outside_the_model_without_a_backward_through_them_are_not_refused():
+    """Reading weights (norms, copies, logging, a penalty never backpropagated, torch.autograd.grad) is fine."""
+    model, opt, loss, engine, x, y = _setup()
+    w = model[0].weight
+    with torch.no_grad():
+        _ = w.norm(), w.t() @ w, w.clone()
+    _ = w.detach().abs().max(), w.sum(), w.norm()  # with grad, but no backward goes through them
+    torch.autograd.grad((w * x.sum()).sum(), w)  # does not accumulate into .grad: not a step
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+    assert type(w) is not nn.Parameter and isinstance(w, nn.Parameter) and type(w.detach()) is torch.Tensor
+
+
+def test_watched_parameters_copy_pickle_and_detach_as_plain_parameters():
+    model, opt, loss, engine, x, y = _setup()
+    twin = copy.deepcopy(model)
+    assert all(type(p) is nn.Parameter for p in twin.parameters())
+    w = model[0].weight
+    loaded = pickle.loads(pickle.dumps(w))
+    assert type(loaded) is nn.Parameter and torch.equal(loaded, w) and loaded.requires_grad
+    assert all(type(v) is torch.Tensor for v in model.state_dict().values() if isinstance(v, torch.Tensor))
+    opt.guard.remove()  # a removed guard gives the parameters back as plain ones
+    assert all(type(p) is nn.Parameter for p in model.parameters())
 
 
 @pytest.mark.parametrize("edit", ["replace", "scale", "data_scale_then_backward"])

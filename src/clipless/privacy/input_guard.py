@@ -13,27 +13,35 @@ step only if every accumulation since the last step came from a backward that
 * was the first backward of a forward made since the last step;
 * did not also pass through a layer called outside the model's forward;
 
+* did not also pass through a use of a weight outside the model's forward (``F.linear(x, W)`` or
+  a penalty on ``W`` added to the loss): the guarded parameters see every operation on them
+  (:class:`_WatchedParameter`), and any recorded one outside the forward taints the backward
+  that goes through it (not seen: a custom ``torch.autograd.Function`` applied to a weight outside the
+  model, whose ``apply`` does not dispatch ``__torch_function__``);
+
 and if some such backward exists (``step()`` twice, or without a backward), no gradient was set or
 edited by hand after it, and the weights are those of the forward.  After a released step the
 optimizer clears the gradients (as Opacus' does), so a forgotten ``zero_grad()`` cannot mix
 batches.  Backward passes that do not accumulate (``torch.autograd.grad``: diagnostics) are never
-refused.  Not seen: a data-dependent use of the weights outside the model (``F.linear(x, W)``)
-inside the same backward as the loss.  The hooks only check, never change values: the bound engine
-accepts them (``is_clipless_guard``).
+refused.  The hooks only check, never change values: the bound engine accepts them
+(``is_clipless_guard``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .certified import BoundError
 
-__all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm"]
+__all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -170,6 +178,64 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
     return _WeightTap.apply(values, record)
 
 
+_WATCH_ATTR = "_clipless_watch"
+_WEIGHT_USED = "a weight of the private model was used outside the model's forward"
+
+
+class _WatchedParameter(nn.Parameter):
+    """A guarded model's parameter: an ``nn.Parameter`` that reports to its step guard every autograd-recorded
+    operation on it made outside the model's forward (the gradient of such a use bypasses the bounds).
+
+    Values, gradients, ``state_dict`` and optimizers are those of a plain parameter: operations run on the
+    plain tensor and return plain tensors (as ``nn.Parameter``'s own ``__torch_function__`` does).
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            for arg in tree_leaves((args, kwargs)):
+                ref = getattr(arg, _WATCH_ATTR, None) if isinstance(arg, _WatchedParameter) else None
+                guard = ref() if ref is not None else None
+                if guard is not None and guard._watches(arg) and not (guard._inside or guard._paused):
+                    name = getattr(func, "__name__", str(func))
+                    for t in tree_leaves(out):  # a result that a backward could go through (never the leaf itself)
+                        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                            t.register_hook(lambda grad, g=guard, n=name: g._weight_used_outside(n))
+                    break
+        return out
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:  # a copy is an ordinary parameter
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickled (torch.save of a whole model) as a plain parameter
+        return nn.Parameter, (self.data, self.requires_grad)
+
+
+@contextlib.contextmanager
+def unwatched(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The watched ``params`` as plain parameters inside: the private step's own work (bounds, noise, the inner
+    optimizer, projection) records no autograd graph a user's backward could go through, so it need not pay the
+    per-operation report."""
+    watched = [p for p in params if type(p) is _WatchedParameter]
+    for p in watched:
+        p.__class__ = nn.Parameter
+    try:
+        yield
+    finally:
+        for p in watched:
+            p.__class__ = _WatchedParameter
+
+
+# Optimizers choose their multi-tensor kernels by exact parameter type; the watched parameter is a plain one there.
+_FOREACH_TYPES = getattr(importlib.import_module("torch.optim.optimizer"), "_foreach_supported_types", None)
+if isinstance(_FOREACH_TYPES, list) and _WatchedParameter not in _FOREACH_TYPES:
+    _FOREACH_TYPES.append(_WatchedParameter)
+
+
 def _task() -> int:
     return torch._C._current_graph_task_id()  # the running backward pass (as torch.utils.checkpoint uses it)
 
@@ -204,6 +270,10 @@ class StepGuard:
                 self._handles.append(layer.register_forward_hook(_LayerCall(self, names.get(id(layer), "?"))))
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        self._watched = {id(p): p for p in self.params if type(p) in (nn.Parameter, _WatchedParameter)}
+        for p in self._watched.values():
+            p.__class__ = _WatchedParameter  # same object, same storage: only its operations are now seen
+            setattr(p, _WATCH_ATTR, weakref.ref(self))
 
     def clear_gradient_state(self) -> None:
         """Forget the gradients' history (they were just cleared): a step needs a new backward."""
@@ -216,6 +286,15 @@ class StepGuard:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for p in self._watched.values():
+            if self._watches(p):
+                delattr(p, _WATCH_ATTR)
+                p.__class__ = nn.Parameter
+        self._watched = {}
+
+    def _watches(self, p: torch.Tensor) -> bool:
+        ref = getattr(p, _WATCH_ATTR, None)
+        return ref is not None and ref() is self and self._watched.get(id(p)) is p
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -301,8 +380,15 @@ class StepGuard:
         self._problem(why)
 
     def _taint(self, name: str) -> None:
+        if self._problems.get(_task(), "").startswith(_WEIGHT_USED):  # the layer's weights: name the layer instead
+            del self._problems[_task()]
         self._problem(f"layer '{name}' of the private model was called outside the model's forward, and the backward "
                       "went through it: its gradient bypasses the privacy analysis; call the whole model")
+
+    def _weight_used_outside(self, op: str) -> None:
+        self._problem(f"{_WEIGHT_USED} ({op}), and the backward went through that use: its gradient bypasses the "
+                      "privacy analysis; use the weights only through the model (a weight penalty: the optimizer's "
+                      "weight_decay)")
 
     def _accumulated(self, param: torch.Tensor) -> None:
         task = _task()

@@ -21,7 +21,7 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError
 from .distributed import all_reduce_sum_, world
-from .input_guard import StepGuard
+from .input_guard import StepGuard, unwatched
 from .modules import step_mechanisms
 from .noise import add_noise_
 from .randomness import secret_generator
@@ -130,6 +130,12 @@ class DPOptimizer:
                 loss = closure()
         self._check_covered()
         params = [p for group in self.original_optimizer.param_groups for p in group["params"]]
+        with unwatched(params):  # the user's closure is done: from here on only the step's own operations run
+            self._release(params)
+        return loss
+
+    def _release(self, params: List[torch.Tensor]) -> None:
+        """Check the gradients, add the planned noise, step, project, account, and start the next step."""
         self.guard.check_step(params)
         report = self.bound_engine.compute()
         self.last_report = report
@@ -153,7 +159,6 @@ class DPOptimizer:
                 clip.update_(self.expected_batch_size, self.generator)
         self.plan.account_step(self.accountant)
         self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
-        return loss
 
     def state_dict(self) -> Dict[str, Any]:
         return {
