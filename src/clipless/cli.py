@@ -681,14 +681,16 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     from .nn.models import build_optimizer
 
     seed: Optional[int] = None if args.seed is None or args.seed < 0 else int(args.seed)
-    if args.noise_seed is not None and args.noise_seed < 0:
-        raise SystemExit(f"--noise-seed: must be >= 0, got {args.noise_seed} (omit it for noise from OS entropy)")
     if any(k < 1 for k in args.probe_labels):
         raise SystemExit(f"--probe-labels: each count must be >= 1, got {args.probe_labels}")
-    for flag, widths in (("--hidden", args.hidden), ("--channels", args.channels),
-                         ("--embedding-dim", [args.embedding_dim])):
-        if any(w < 1 for w in widths):
-            raise SystemExit(f"{flag}: each width must be >= 1, got {widths}")
+    # the train command's rules (SCHEMA) for the settings the two commands share
+    shared = (("--noise-seed", SCHEMA["noise_seed"], args.noise_seed), ("--hidden", _widths, args.hidden),
+              ("--channels", _widths, args.channels), ("--embedding-dim", _number(int, 0), args.embedding_dim))
+    for flag, check, value in shared:
+        try:
+            check(value)
+        except ValueError as err:
+            raise SystemExit(f"{flag}: {err}") from None
     try:
         AugmentedPairs.check_settings(args.blur, args.pixel_noise)
     except ValueError as err:

@@ -456,9 +456,9 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
         cli_main(["pretrain", "--probe-labels", "0", "--output-dir", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()  # refused before anything ran or was written
     for flags, match in ((["--noise-seed", "-1"], "--noise-seed: must be >= 0"),
-                         (["--hidden", "0"], "--hidden: each width must be >= 1"),
-                         (["--encoder", "cnn", "--channels", "8", "0"], "--channels: each width must be >= 1"),
-                         (["--embedding-dim", "0"], "--embedding-dim: each width must be >= 1"),
+                         (["--hidden", "0"], "--hidden: each width must be > 0"),
+                         (["--encoder", "cnn", "--channels", "8", "0"], "--channels: each width must be > 0"),
+                         (["--embedding-dim", "0"], "--embedding-dim: must be > 0"),
                          (["--probe-labels", "10", "1000"], r"--probe-labels: at most \d+ per class")):
         with pytest.raises(SystemExit, match=match):
             cli_main(["pretrain", *flags, "--output-dir", str(tmp_path / "bad")])

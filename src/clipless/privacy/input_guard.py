@@ -12,7 +12,6 @@ step only if every accumulation since the last step came from a backward that
   loss constant ``L`` (``batch x outputs`` numbers: cheap);
 * was the first backward of a forward made since the last step;
 * did not also pass through a layer called outside the model's forward;
-
 * did not also pass through a use of a weight outside the model's forward (``F.linear(x, W)`` or
   a penalty on ``W`` added to the loss): the guarded parameters see every operation on them
   (:class:`_WatchedParameter`), and any recorded one outside the forward taints the backward
