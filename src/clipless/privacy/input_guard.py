@@ -197,7 +197,7 @@ class _WatchedParameter(nn.Parameter):
             for arg in tree_leaves((args, kwargs)):
                 ref = getattr(arg, _WATCH_ATTR, None) if isinstance(arg, _WatchedParameter) else None
                 guard = ref() if ref is not None else None
-                if guard is not None and guard._watches(arg) and not (guard._inside or guard._paused):
+                if guard is not None and not (guard._inside or guard._paused):
                     name = getattr(func, "__name__", str(func))
                     for t in tree_leaves(out):  # a result that a backward could go through (never the leaf itself)
                         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
@@ -269,8 +269,8 @@ class StepGuard:
                 self._handles.append(layer.register_forward_hook(_LayerCall(self, names.get(id(layer), "?"))))
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
-        self._watched = {id(p): p for p in self.params if type(p) in (nn.Parameter, _WatchedParameter)}
-        for p in self._watched.values():
+        self._watched = [p for p in self.params if type(p) in (nn.Parameter, _WatchedParameter)]
+        for p in self._watched:
             p.__class__ = _WatchedParameter  # same object, same storage: only its operations are now seen
             setattr(p, _WATCH_ATTR, weakref.ref(self))
 
@@ -285,15 +285,11 @@ class StepGuard:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        for p in self._watched.values():
-            if self._watches(p):
+        for p in self._watched:
+            if getattr(p, _WATCH_ATTR, lambda: None)() is self:  # not when a newer guard of the model took it over
                 delattr(p, _WATCH_ATTR)
                 p.__class__ = nn.Parameter
-        self._watched = {}
-
-    def _watches(self, p: torch.Tensor) -> bool:
-        ref = getattr(p, _WATCH_ATTR, None)
-        return ref is not None and ref() is self and self._watched.get(id(p)) is p
+        self._watched = []
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
