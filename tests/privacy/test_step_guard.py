@@ -235,6 +235,110 @@ def test_weight_used_outside_the_model_in_the_same_backward_refused(use):
     _refused(opt, engine, "used outside the model's forward|did not come from a clipless loss")
 
 
+class _OpaqueProduct(torch.autograd.Function):
+    """``sum(W x^T)`` as a custom autograd Function: its ``apply`` reports no operation to the watched weight."""
+
+    @staticmethod
+    def forward(ctx, w, x):
+        ctx.save_for_backward(x)
+        ctx.rows = w.shape[0]
+        return (w @ x.t()).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.sum(0).expand(ctx.rows, -1), None
+
+
+@pytest.mark.parametrize("same_backward", [True, False])
+def test_weight_used_by_a_custom_autograd_function_outside_the_model_refused(same_backward):
+    """No operation is reported for a custom Function's inputs; the weight's own hook still sees that its incoming
+    gradient is not what the model's forward sent it (released before the gates)."""
+    model, opt, loss, engine, x, y = _setup()
+    w = model[0].weight
+    if same_backward:
+        (loss.per_example(model(x), y).sum() + _OpaqueProduct.apply(w, x)).backward()
+    else:
+        loss.per_example(model(x), y).sum().backward()
+        _OpaqueProduct.apply(w, x).backward()
+    _refused(opt, engine, "weight '0.weight' of the private model received gradient by a path outside the model's "
+                          "forward|did not go through the private model's output")
+
+
+def test_two_forwards_in_one_backward_release_the_exact_sum():
+    """A weight's gradient from several forwards arrives in parts; the check sums them as autograd does."""
+    model, opt, loss, engine, x, y = _setup(noise=1e-12)
+    released = capture_released(opt)
+    expected = [g.sum(0) / 16.0 for g in per_example_grads(model, loss, x, y)]
+    (loss.per_example(model(x[:5]), y[:5]).sum() + loss.per_example(model(x[5:]), y[5:]).sum()).backward()
+    opt.step()
+    got = [released[0][id(p)] for p in model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+    assert engine.accountant.steps == 1
+
+
+def test_custom_function_diagnostics_keep_their_value_and_are_not_refused():
+    model, opt, loss, engine, x, y = _setup()
+    w = model[0].weight
+    (got,) = torch.autograd.grad(_OpaqueProduct.apply(w, x), w)
+    assert torch.equal(got, x.sum(0).expand(8, -1))
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
+def _scale(grad):
+    return 100 * grad
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("hook", ["weight_hook", "output_hook", "saved_tensors", "global_pre_hook",
+                                  "global_backward_hook", "layer_hook_removed_before_step"])
+def test_hooks_that_rescale_the_backward_refused(hook):
+    """Public hook APIs that change what the backward computes, each one released 100x (or more) the bounded
+    gradient before the guard checked them: weight hooks run before accumulation, output hooks after the
+    guard's own, saved-tensor hooks and global module hooks rewrite the layers' values; a layer hook removed
+    before ``step()`` is gone when the bound engine looks for it."""
+    model, opt, loss, engine, x, y = _setup()
+    w, undo = model[0].weight, []
+    if hook == "weight_hook":
+        w.register_hook(_scale)
+    elif hook == "global_pre_hook":
+        undo.append(nn.modules.module.register_module_forward_pre_hook(
+            lambda m, args: tuple(100 * a for a in args) if m is model[2] else None))
+    elif hook == "global_backward_hook":
+        undo.append(nn.modules.module.register_module_full_backward_pre_hook(
+            lambda m, go: tuple(100 * g for g in go) if m is model[1] else None))
+    elif hook == "layer_hook_removed_before_step":
+        undo.append(model[1].register_forward_hook(lambda m, args, out: 100 * out))
+    try:
+        if hook == "saved_tensors":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: 100 * t if t.is_floating_point() else t,
+                                                          lambda t: t):
+                out = model(x)
+        else:
+            out = model(x)
+        if hook == "output_hook":
+            out.register_hook(_scale)
+        loss.per_example(out, y).sum().backward()
+    finally:
+        for handle in undo:
+            handle.remove()
+    _refused(opt, engine, "hook|received gradient from outside its clipless loss")
+
+
+def test_value_preserving_saved_tensor_hooks_are_accepted():
+    """torch's save_on_cpu gives the backward the forward's exact values: the step is released, and exact."""
+    model, opt, loss, engine, x, y = _setup(noise=1e-12)
+    released = capture_released(opt)
+    expected = [g.sum(0) / 16.0 for g in per_example_grads(model, loss, x, y)]
+    with torch.autograd.graph.save_on_cpu():
+        out = model(x)
+    loss.per_example(out, y).sum().backward()
+    opt.step()
+    assert all(torch.allclose(released[0][id(p)], e, atol=1e-6) for p, e in zip(model.parameters(), expected))
+
+
 def test_weights_read_outside_the_model_without_a_backward_through_them_are_not_refused():
     """Reading weights (norms, copies, logging, a penalty never backpropagated, torch.autograd.grad) is fine."""
     model, opt, loss, engine, x, y = _setup()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-from ..privacy.bounds import global_hooks_registered, module_hooks
+from ..privacy.input_guard import global_hooks_registered, module_hooks
 
 __all__ = [
     "CONTRASTIVE_LOSSES",

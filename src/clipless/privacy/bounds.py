@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from .certified import BoundError
+from .input_guard import global_hooks_registered, module_hooks
 from .modules import BoundedModule, LayerBound, Residual
 
-__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "global_hooks_registered", "module_hooks"]
+__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine"]
 
 # Stateless torch layers whose constants are exact: l = 1 and ||f(x)|| <= ||x||.
 _PARAMETER_FREE_1LIP: Tuple[type, ...] = (nn.Flatten, nn.Unflatten, nn.Identity, nn.ReLU)
@@ -67,20 +68,6 @@ class BoundReport:
 
     def as_dict(self) -> Dict[str, float]:
         return {layer.name: layer.bound for layer in self.layers}
-
-
-def global_hooks_registered() -> bool:
-    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_*``) exist."""
-    from torch.nn.modules import module as _module
-
-    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks)
-
-
-def module_hooks(module: nn.Module) -> List[Any]:
-    """The module's own forward/backward hooks, except the private step's guards (which only refuse)."""
-    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    hooks += list(module._backward_hooks.values()) + list(getattr(module, "_backward_pre_hooks", {}).values())
-    return [h for h in hooks if not getattr(h, "is_clipless_guard", False)]
 
 
 def _check_forward_matches_bounds(cls: type, name: str) -> None:

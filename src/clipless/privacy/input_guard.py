@@ -15,20 +15,26 @@ step only if every accumulation since the last step came from a backward that
 * did not also pass through a use of a weight outside the model's forward (``F.linear(x, W)`` or
   a penalty on ``W`` added to the loss): the guarded parameters see every operation on them
   (:class:`_WatchedParameter`), and any recorded one outside the forward taints the backward
-  that goes through it (not seen: a custom ``torch.autograd.Function`` applied to a weight outside the
-  model, whose ``apply`` does not dispatch ``__torch_function__``);
+  that goes through it; inside the forward they enter through a gate, and each weight's incoming
+  gradient must equal what its gates sent (a custom ``torch.autograd.Function``, whose ``apply``
+  reports no operation, is caught there) and be accumulated unchanged (a hook on the weight);
+* went through no hook that could change the forward's values or the backward: module hooks (the
+  model's or global ones) and saved-tensor hooks active during the forward (except torch's
+  value-preserving ``save_on_cpu`` and ``allow_mutation_on_saved_tensors``), and hooks on the
+  output, which the output's gate runs after;
 
 and if some such backward exists (``step()`` twice, or without a backward), no gradient was set or
 edited by hand after it, and the weights are those of the forward.  After a released step the
 optimizer clears the gradients (as Opacus' does), so a forgotten ``zero_grad()`` cannot mix
 batches.  Backward passes that do not accumulate (``torch.autograd.grad``: diagnostics) are never
 refused.  The hooks only check, never change values: the bound engine accepts them
-(``is_clipless_guard``).
+(``is_clipless_guard``).  Not guarded: editing the autograd graph's nodes by hand (``grad_fn`` hooks).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import warnings
 import weakref
@@ -36,14 +42,25 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .certified import BoundError
 
-__all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched"]
+__all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
+           "global_hooks_registered", "module_hooks"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
+# Relative rounding slack between autograd's sum of a weight's gradients through the forward and ours.
+_SUM_TOL = 1e-5
+# Saved-tensor hooks that give the backward the forward's exact values: torch's save_on_cpu (a copy to host
+# memory and back) and allow_mutation_on_saved_tensors (a clone before a mutation).
+_VALUE_PRESERVING = {
+    (("torch.autograd.graph", "save_on_cpu.__init__.<locals>.pack_to_cpu"),
+     ("torch.autograd.graph", "save_on_cpu.__init__.<locals>.unpack_from_cpu")),
+    (("torch.autograd.graph", "_swap_with_cloned.__init__.<locals>.pack_hook"),
+     ("torch.autograd.graph", "_swap_with_cloned.__init__.<locals>.unpack_hook")),
+}
 _RECORD_ATTR = "_clipless_forward"
 
 
@@ -65,6 +82,21 @@ def largest_norm(x: torch.Tensor, bound: float) -> float:
             if approx * (1 + 2 * nu / (1 - nu)) <= bound:
                 return approx
     return torch.linalg.vector_norm(flat.double(), dim=1).max().item()
+
+
+def global_hooks_registered() -> bool:
+    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_*``) exist."""
+    from torch.nn.modules import module as _module
+
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks)
+
+
+def module_hooks(module: nn.Module) -> List[Any]:
+    """The module's own forward/backward hooks, except the private step's guards (which only refuse)."""
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    hooks += list(module._backward_hooks.values()) + list(getattr(module, "_backward_pre_hooks", {}).values())
+    return [h for h in hooks if not getattr(h, "is_clipless_guard", False)]
 
 
 class _Detached:
@@ -125,13 +157,29 @@ class InputGuard(_Guard):
 class _ForwardRecord:
     """One gradient-recording forward of the private model, until its backward reaches the output."""
 
-    __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated")
+    __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked")
 
-    def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor]) -> None:
+    def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str]) -> None:
         self.guard, self.epoch, self.snapshot = guard, epoch, snapshot
+        self.hooked = hooked  # why the forward may not compute what the bounds describe (hooks), or None
         self.loss_grad: Optional[torch.Tensor] = None
         self.losses: List[Any] = []  # the clipless losses applied to this output
         self.backpropagated = False
+
+
+class _OutputGate(torch.autograd.Function):
+    """Identity on the model's output; its backward checks the gradient that reaches the model.  A node rather
+    than a tensor hook, so that it runs after every hook a user puts on the output (they could rescale it)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, record: _ForwardRecord) -> torch.Tensor:  # type: ignore[override]
+        ctx.record = record
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        ctx.record.guard._output_grad(ctx.record, grad)
+        return grad, None
 
 
 class _LossTap(torch.autograd.Function):
@@ -178,6 +226,23 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
 
 
 _WATCH_ATTR = "_clipless_watch"
+_ACCESSORS = ("__get__", "__set__")  # attribute reads (shape, grad, ...): no operation on the values
+
+
+class _WeightGate(torch.autograd.Function):
+    """Identity on a guarded weight inside the model's forward; its backward records the gradient the model's
+    forward sends to the weight, so that the weight's hook can check that nothing else reached it."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, guard: "StepGuard") -> torch.Tensor:  # type: ignore[override]
+        ctx.guard, ctx.key = guard, id(weight)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        ctx.guard._through_model(ctx.key, grad)
+        return grad, None
+
 _WEIGHT_USED = "a weight of the private model was used outside the model's forward"
 
 
@@ -191,18 +256,26 @@ class _WatchedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled():
-            for arg in tree_leaves((args, kwargs)):
+        kwargs = kwargs or {}
+        outside: List[StepGuard] = []
+        if torch.is_grad_enabled() and getattr(func, "__name__", "") not in _ACCESSORS:
+            def route(arg: Any) -> Any:
                 ref = getattr(arg, _WATCH_ATTR, None) if isinstance(arg, _WatchedParameter) else None
                 guard = ref() if ref is not None else None
-                if guard is not None and not (guard._inside or guard._paused):
-                    name = getattr(func, "__name__", str(func))
-                    for t in tree_leaves(out):  # a result that a backward could go through (never the leaf itself)
-                        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                            t.register_hook(lambda grad, g=guard, n=name: g._weight_used_outside(n))
-                    break
+                if guard is None or guard._paused:
+                    return arg
+                if guard._inside and not torch._C._are_functorch_transforms_active():
+                    return guard._gate(arg)
+                outside.append(guard)
+                return arg
+            args, kwargs = tree_map(route, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if outside:
+            guard, name = outside[0], getattr(func, "__name__", str(func))
+            for t in tree_leaves(out):  # a result that a backward could go through (never the leaf itself)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.register_hook(lambda grad, g=guard, n=name: g._weight_used_outside(n))
         return out
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:  # a copy is an ordinary parameter
@@ -270,6 +343,17 @@ class StepGuard:
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
         self._watched = [p for p in self.params if type(p) in (nn.Parameter, _WatchedParameter)]
+        self._gates: Dict[int, torch.Tensor] = {}  # id(weight) -> its gated alias in the running forward
+        self._through: Dict[int, List[Tuple[torch.Tensor, int]]] = {}  # id(weight) -> gradients via the forward
+        self._through_task = -1
+        self._expected: Dict[int, Tuple[int, torch.Tensor]] = {}  # id(weight) -> (backward, .grad it must give)
+        self._by_id = {id(p): p for p in self._watched}
+        self._modules = list(model.modules())
+        self._hooked_at_entry: Optional[str] = None
+        param_names = {id(p): n for n, p in model.named_parameters()}
+        for p in self._watched:
+            hook = functools.partial(self._weight_grad, id(p), param_names.get(id(p), "?"))
+            self._handles.append(p.register_hook(hook))  # the weight's whole incoming gradient, before accumulation
         for p in self._watched:
             p.__class__ = _WatchedParameter  # same object, same storage: only its operations are now seen
             setattr(p, _WATCH_ATTR, weakref.ref(self))
@@ -301,17 +385,45 @@ class StepGuard:
             self._paused -= 1
 
     # -- forward -------------------------------------------------------------
-    def _leave(self, output: Any) -> None:
+    def _enter(self) -> None:
+        self._inside = True
+        self._gates = {}
+        self._hooked_at_entry = self._hooked() if torch.is_grad_enabled() and not self._paused else None
+
+    def _hooked(self) -> Optional[str]:
+        """Why hooks active now could make the forward or its backward differ from what the bounds describe."""
+        if global_hooks_registered():
+            return "global module hooks (torch.nn.modules.module.register_module_*) were registered"
+        for module in self._modules:
+            if module_hooks(module):
+                return "a module of the private model had a forward or backward hook"
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # only the innermost pair applies
+        if hooks is not None and tuple((h.__module__, h.__qualname__) for h in hooks) not in _VALUE_PRESERVING:
+            return ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, torch.utils.checkpoint) were "
+                    "active: the backward might not use the forward's values")
+        return None
+
+    def _gate(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as the model's forward uses it: one gate per weight and forward (see :meth:`_weight_grad`)."""
+        gated = self._gates.get(id(weight))
+        if gated is None:
+            gated = self._gates[id(weight)] = _WeightGate.apply(weight, self)
+        return gated
+
+    def _leave(self, output: Any) -> Optional[torch.Tensor]:
+        """The model's output, gated when a step could backpropagate it (the forward hook's replacement)."""
         self._inside = False
+        self._gates = {}
         if self._paused or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
-            return
-        if not output.requires_grad:
-            return
+            return None
+        if not output.requires_grad or torch._C._are_functorch_transforms_active():
+            return None
         if self._snapshot is None or self._weights_differ(self._snapshot):
             self._snapshot = [p.detach().clone() for p in self.params]
-        record = _ForwardRecord(self, self.epoch, self._snapshot)
-        setattr(output, _RECORD_ATTR, record)
-        output.register_hook(lambda grad: self._output_grad(record, grad))
+        record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry or self._hooked())
+        gated = _OutputGate.apply(output, record)
+        setattr(gated, _RECORD_ATTR, record)
+        return gated
 
     def _weights_differ(self, snapshot: List[torch.Tensor]) -> bool:
         return any(not torch.equal(p.detach(), saved) for p, saved in zip(self.params, snapshot))
@@ -355,6 +467,9 @@ class StepGuard:
             why = "the backward of a forward made before the last private step: run the forward again on a new batch"
         elif twice:
             why = "a forward backpropagated twice: the batch's gradient would count twice; one backward per forward"
+        elif record.hooked is not None:
+            why = (f"during the private model's forward, {record.hooked}: the per-example bounds describe the model "
+                   "without hooks; remove them")
         elif loss_grad is None:
             why = ("the backward into the private model's output did not come from a clipless loss applied to that "
                    "output: backpropagate loss.per_example(model(x), y).sum()")
@@ -385,8 +500,40 @@ class StepGuard:
                       "privacy analysis; use the weights only through the model (a weight penalty: the optimizer's "
                       "weight_decay)")
 
+    def _through_model(self, key: int, grad: torch.Tensor) -> None:
+        task = _task()
+        if task != self._through_task:  # a new backward: what earlier ones sent is checked or was not accumulated
+            self._through_task, self._through = task, {}
+        self._through.setdefault(key, []).append((grad, grad._version))
+
+    def _weight_grad(self, key: int, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """The weight's incoming gradient must be the sum of what its gates in the model's forward sent: a
+        path that no operation reports (a custom ``autograd.Function`` applied to the weight outside the model)
+        taints the backward, so nothing else can reach an accumulated gradient unseen."""
+        if self._paused:
+            return None
+        parts = self._through.pop(key, []) if _task() == self._through_task else []
+        if parts and all(g._version == v for g, v in parts):  # a part changed in place no longer says what it sent
+            sent = parts[0][0]
+            for part, _ in parts[1:]:  # in arrival order, as autograd sums them
+                sent = sent + part
+            exact = grad is sent or torch.equal(grad, sent)
+            if exact or float((grad - sent).abs().max()) <= _SUM_TOL * float(sent.abs().max()):
+                weight = self._by_id[key]
+                # checked again once accumulated: a hook that runs after this one must not change it
+                self._expected[key] = (_task(), sent if weight.grad is None else weight.grad + sent)
+                return None if exact else sent  # beyond rounding of the sum, accumulate the forward's part exactly
+        self._problem(f"weight '{name}' of the private model received gradient by a path outside the model's "
+                      "forward (e.g. a custom torch.autograd.Function applied to the weight): its gradient bypasses "
+                      "the privacy analysis; use the weights only through the model")
+        return None  # left as it is (torch.autograd.grad diagnostics see it); accumulated, it refuses the step
+
     def _accumulated(self, param: torch.Tensor) -> None:
         task = _task()
+        backward, expected = self._expected.pop(id(param), (None, None))
+        if backward == task and not (param.grad is expected or torch.equal(param.grad, expected)):
+            self._problem("a weight's gradient was changed between its backward and its accumulation (a hook on the "
+                          "weight): its sensitivity is not the bound's; remove the hook")
         # the gradient tensor and its version: one replaced or edited in place afterwards is not this one
         self._accumulations[id(param)] = (param.grad, param.grad._version)  # type: ignore[union-attr]
         if self._violation is not None:
@@ -439,12 +586,12 @@ class _Hook(_Guard):
 
 class _ModelEnter(_Hook):
     def __call__(self, module: nn.Module, args: Any) -> None:
-        self.guard._inside = True
+        self.guard._enter()
 
 
 class _ModelLeave(_Hook):
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.guard._leave(output)
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Optional[torch.Tensor]:
+        return self.guard._leave(output)
 
 
 class _LayerCall(_Hook):
