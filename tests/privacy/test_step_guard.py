@@ -21,7 +21,7 @@ from helpers import capture_released, per_example_grads
 SHAPE = (6,)
 
 
-def _setup(lr=0.1, noise=1.0, loss=None, model=None, **kw):
+def _setup(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=torch.optim.SGD, **kw):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(96, *SHAPE, generator=gen)
@@ -31,7 +31,7 @@ def _setup(lr=0.1, noise=1.0, loss=None, model=None, **kw):
     loss = loss or cl.TauCrossEntropy(2.0)
     engine = cl.PrivacyEngine("rdp")
     model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data=data, loss=loss,
+        module=model, optimizer=optimizer_cls(model.parameters(), lr=lr), data=data, loss=loss,
         noise_multiplier=noise, input_shape=SHAPE, batch_size=16.0, input_bound=1.0, **kw)
     return model, opt, loss, engine, data.features[:16], data.labels[:16]
 
@@ -337,6 +337,31 @@ def test_value_preserving_saved_tensor_hooks_are_accepted():
     loss.per_example(out, y).sum().backward()
     opt.step()
     assert all(torch.allclose(released[0][id(p)], e, atol=1e-6) for p, e in zip(model.parameters(), expected))
+
+
+@pytest.mark.parametrize("which", ["the_one_given_to_make_private", "a_second_optimizer"])
+def test_an_optimizer_other_than_the_private_one_cannot_step_the_model(which):
+    """``opt = SGD(...); model, dp_opt, loader = make_private(optimizer=opt, ...)`` then ``opt.step()``: the old
+    name applied the gradient without noise (released before the step hook)."""
+    model, opt, loss, engine, x, y = _setup()
+    other = opt.original_optimizer if which == "the_one_given_to_make_private" else torch.optim.Adam(model.parameters())
+    weights = [p.detach().clone() for p in model.parameters()]
+    loss.per_example(model(x), y).sum().backward()
+    with pytest.raises(BoundError, match=r"\.step\(\) on the private model's parameters outside the private optimizer"):
+        other.step()
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+    opt.step()  # the private one still steps, and is accounted
+    assert engine.accountant.steps == 1
+    opt.guard.remove()  # an unguarded model is an ordinary one again
+    loss.per_example(model(x), y).sum().backward()
+    other.step()
+
+
+def test_an_optimizer_that_needs_a_closure_refused():
+    """LBFGS evaluates the loss several times inside one step: each evaluation's gradient would move the weights
+    without noise; before, the private step crashed half-way (after the noise was added)."""
+    with pytest.raises(ValueError, match="LBFGS needs a closure in step"):
+        _setup(model=None, optimizer_cls=torch.optim.LBFGS)
 
 
 def test_weights_read_outside_the_model_without_a_backward_through_them_are_not_refused():

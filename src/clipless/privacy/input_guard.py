@@ -302,8 +302,25 @@ def unwatched(params: Sequence[torch.Tensor]) -> Iterator[None]:
             p.__class__ = _WatchedParameter
 
 
+def _refuse_outside_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Every optimizer's step pre-hook (registered by the first step guard): a guarded parameter is stepped only
+    by its private optimizer, inside which it is plain (:func:`unwatched`).  Anything else (the optimizer given to
+    ``make_private`` kept under its old name, a second optimizer) would apply a gradient without noise."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if type(p) is _WatchedParameter and getattr(p, _WATCH_ATTR, lambda: None)() is not None:
+                raise BoundError(
+                    f"{type(optimizer).__name__}.step() on the private model's parameters outside the private "
+                    "optimizer: the gradient it applies has no noise; step the optimizer make_private returned "
+                    "(model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, ...))")
+
+
+_STEP_HOOK: List[Any] = []  # the handle of the one global hook
+
+
 # Optimizers choose their multi-tensor kernels by exact parameter type; the watched parameter is a plain one there.
-_FOREACH_TYPES = getattr(importlib.import_module("torch.optim.optimizer"), "_foreach_supported_types", None)
+_OPTIM = importlib.import_module("torch.optim.optimizer")
+_FOREACH_TYPES = getattr(_OPTIM, "_foreach_supported_types", None)
 if isinstance(_FOREACH_TYPES, list) and _WatchedParameter not in _FOREACH_TYPES:
     _FOREACH_TYPES.append(_WatchedParameter)
 
@@ -354,6 +371,8 @@ class StepGuard:
         for p in self._watched:
             hook = functools.partial(self._weight_grad, id(p), param_names.get(id(p), "?"))
             self._handles.append(p.register_hook(hook))  # the weight's whole incoming gradient, before accumulation
+        if not _STEP_HOOK:
+            _STEP_HOOK.append(_OPTIM.register_optimizer_step_pre_hook(_refuse_outside_step))
         for p in self._watched:
             p.__class__ = _WatchedParameter  # same object, same storage: only its operations are now seen
             setattr(p, _WATCH_ATTR, weakref.ref(self))

@@ -12,6 +12,7 @@ be the gradient of the **sum** of per-example losses of one Poisson batch
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -55,6 +56,11 @@ class DPOptimizer:
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
                              f"{accountant.mechanism!r}")
+        step_arg = inspect.signature(optimizer.step).parameters.get("closure")
+        if step_arg is not None and step_arg.default is inspect.Parameter.empty:
+            raise ValueError(f"{type(optimizer).__name__} needs a closure in step(): it evaluates the loss several "
+                             "times per step, and each evaluation's gradient would be used without noise; use a "
+                             "first-order optimizer (SGD, Adam, ...)")
         self.original_optimizer = optimizer
         self.rank, self.world_size = world() if distributed else (0, 1)
         if distributed and self.world_size == 1:
