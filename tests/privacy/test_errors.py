@@ -176,3 +176,15 @@ def test_nan_and_inf_inputs_refused_by_the_guard():
         with pytest.raises(BoundError, match="NaN or infinite"):
             model(x)
     model(torch.full((2, 5), 3e38))  # finite entries whose sum overflows are still accepted
+
+
+@pytest.mark.parametrize("batch_size", [True, "8", 0, 65, float("nan")])
+def test_bad_expected_batch_size_refused_by_make_private_and_the_trainer(batch_size, data):
+    """``batch_size=True`` read as 1 before (a boolean is an int in Python): q = 1/N was accounted silently."""
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match="batch_size|batch size"):
+        cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=data, loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
+                                        input_shape=SHAPE, batch_size=batch_size)
+    with pytest.raises(ValueError, match="batch_size"):
+        trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data, batch_size=batch_size)

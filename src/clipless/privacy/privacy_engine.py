@@ -56,6 +56,8 @@ def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -
         data = data.dataset
     if batch_size is None:
         raise ValueError("give the expected batch size (batch_size)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)):  # True would read as 1
+        raise ValueError(f"batch_size (the expected Poisson batch size) must be a number, got {batch_size!r}")
     return data, float(batch_size)
 
 

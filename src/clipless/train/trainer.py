@@ -111,7 +111,7 @@ class PrivateTrainer:
             raise ValueError("give epochs or target_epsilon: training would never stop")
         n = len(train_data)  # type: ignore[arg-type]
         check_delta(delta, n)
-        if not (isinstance(batch_size, (int, float)) and 0 < batch_size <= n):
+        if isinstance(batch_size, bool) or not (isinstance(batch_size, (int, float)) and 0 < batch_size <= n):
             raise ValueError(f"batch_size (the expected Poisson batch size) must be in (0, N={n}], got {batch_size!r}")
         self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
         self.delta, self.target_epsilon, self.strategy = delta, target_epsilon, strategy
