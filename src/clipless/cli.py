@@ -838,7 +838,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     started = _init_distributed(args.command)
     try:
-        return _run(args)
+        code = _run(args)
+        if started and torch.distributed.is_initialized():
+            # the last collective may still be delivering to a peer: gloo aborts a peer whose group is torn down
+            torch.distributed.barrier()
+        return code
     except (ValueError, OSError, BudgetExhaustedError) as err:
         # the library's refusals (bad data, settings, files): one line naming the problem and the fix
         raise SystemExit(f"clipless {args.command}: {' '.join(str(err).split())}") from None

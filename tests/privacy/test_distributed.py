@@ -132,6 +132,7 @@ def _worker(rank: int, size: int, init: str, out: str, scenario: str) -> None:
                 result["refused"] = ""
             except BoundError as err:
                 result["refused"] = str(err)
+        torch.distributed.barrier()  # no rank tears the group down under a peer still receiving (gloo aborts it)
     finally:
         Path(out, f"{scenario}-{rank}.json").write_text(json.dumps(result))
         torch.distributed.destroy_process_group()
