@@ -7,6 +7,7 @@ step (and the accountant counted it) whose gradient was not what the noise was c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import warnings
 
@@ -362,6 +363,59 @@ def test_an_optimizer_that_needs_a_closure_refused():
     without noise; before, the private step crashed half-way (after the noise was added)."""
     with pytest.raises(ValueError, match="LBFGS needs a closure in step"):
         _setup(model=None, optimizer_cls=torch.optim.LBFGS)
+
+
+def test_a_backward_changed_inside_the_model_by_a_node_hook_refused():
+    """A hook put by hand on an autograd node inside the model is not seen by any hook check; the summed
+    gradient then exceeds what the certified per-example bounds allow for this batch (released before)."""
+    model, opt, loss, engine, x, y = _setup()
+    out = model(x)
+    out.grad_fn.next_functions[0][0].register_prehook(lambda grads: tuple(100 * g for g in grads))
+    loss.per_example(out, y).sum().backward()
+    _refused(opt, engine, r"layer '0': the summed gradient has norm .* > .*the backward was changed")
+
+
+class _UnderDeclaredLinear(cl.LipschitzLinear):
+    """Declares a per-example gradient bound 100 times too small: a wrong constant."""
+
+    def layer_bound(self, x_bound, in_shape):
+        declared = super().layer_bound(x_bound, in_shape)
+        return dataclasses.replace(declared, param_factors={k: v / 100 for k, v in declared.param_factors.items()})
+
+
+def test_a_layer_declaring_a_too_small_bound_is_caught_by_the_sum_check():
+    model = nn.Sequential(_UnderDeclaredLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    model, opt, loss, engine, x, y = _setup(model=model)
+    loss.per_example(model(x), y).sum().backward()
+    _refused(opt, engine, "layer '0': the summed gradient has norm .* or the layer declares a wrong bound")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_the_sum_check_never_refuses_an_honest_step_even_at_the_bound(seed, clip):
+    """The necessary condition holds for honest steps: random widths and batches, inputs on the bound, and a
+    canary crafted to attain its per-example bound alone (mass 1: the check is then tight); with a loss-gradient
+    clip the rows are counted instead of weighted."""
+    from clipless.diagnostics.step_audit import craft_canary
+
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * int(torch.randint(1, 12, (1,), generator=gen))
+    layers = [cl.LipschitzLinear(6, width), cl.MaxMin(), cl.LipschitzLinear(width, 3)]
+    model = nn.Sequential(*(layers + ([cl.LossGradientClip(clip)] if clip else [])))
+    with torch.no_grad():  # weights away from the projection's fixed point
+        for p in model.parameters():
+            p.normal_(generator=gen)
+    model, opt, loss, engine, x, y = _setup(model=model, noise=1e-12)
+    for batch in (1, 7, 16):
+        xb = torch.randn(batch, *SHAPE, generator=gen)
+        xb = xb / xb.norm(dim=1, keepdim=True) * (1 - 1e-6)
+        loss.per_example(model(xb), torch.randint(0, 3, (batch,), generator=gen)).sum().backward()
+        opt.step()
+    with cl.privacy.input_guard.paused_guards(model):
+        cx, cy, _ = craft_canary(model, loss, SHAPE, 1.0, steps=30, restarts=2, generator=gen)
+    loss.per_example(model(cx[None]), cy.reshape(1)).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 4
 
 
 def test_weights_read_outside_the_model_without_a_backward_through_them_are_not_refused():

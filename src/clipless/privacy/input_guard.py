@@ -28,7 +28,9 @@ edited by hand after it, and the weights are those of the forward.  After a rele
 optimizer clears the gradients (as Opacus' does), so a forgotten ``zero_grad()`` cannot mix
 batches.  Backward passes that do not accumulate (``torch.autograd.grad``: diagnostics) are never
 refused.  The hooks only check, never change values: the bound engine accepts them
-(``is_clipless_guard``).  Not guarded: editing the autograd graph's nodes by hand (``grad_fn`` hooks).
+(``is_clipless_guard``).  Not seen by these checks: hooks put by hand on the autograd graph's
+nodes (``grad_fn.register_prehook``); :meth:`StepGuard.check_sums` then refuses a summed gradient larger
+than the certified per-example bounds allow for the batch's output gradients (a necessary condition).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -53,6 +56,8 @@ __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm
 _LOGIT_GRAD_TOL = 1e-5
 # Relative rounding slack between autograd's sum of a weight's gradients through the forward and ours.
 _SUM_TOL = 1e-5
+# Relative float32 slack of a summed gradient's norm against the bound the certified per-example bounds give it.
+_SUM_CHECK_TOL = 1e-4
 # Saved-tensor hooks that give the backward the forward's exact values: torch's save_on_cpu (a copy to host
 # memory and back) and allow_mutation_on_saved_tensors (a clone before a mutation).
 _VALUE_PRESERVING = {
@@ -341,6 +346,7 @@ class StepGuard:
         their weights sum to at most 1 and the example's gradient stays within the per-example bound."""
         self.params = list(params)
         self.rows_per_example = int(rows_per_example)
+        self.sum_check = True  # check_sums on (the white-box step audit turns it off to measure a wrong bound)
         self.loss_name = type(loss).__name__ if loss is not None else "loss"
         self.loss_lipschitz = loss_lipschitz
         self.epoch = 0  # private steps released
@@ -383,6 +389,8 @@ class StepGuard:
         self._problems: Dict[int, str] = {}  # backward passes whose gradient must not be released, and why
         self._released: Dict[int, _ForwardRecord] = {}  # checked backward passes that reached the parameters
         self._accumulations: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (its grad, grad version)
+        # backward -> (sum over its rows of ||output gradient|| / L, rows with a nonzero output gradient)
+        self._mass: Dict[int, Tuple[float, int]] = {}
         self._violation: Optional[str] = None
 
     def remove(self) -> None:
@@ -505,6 +513,9 @@ class StepGuard:
             why = "the weights changed between the forward and its backward: the bounds are those of other weights"
         else:
             self._checked[_task()] = record
+            norms = torch.linalg.vector_norm(grad.flatten(1).double(), dim=1)
+            mass, rows = self._mass.get(_task(), (0.0, 0))
+            self._mass[_task()] = (mass + float(norms.sum()) / lipschitz, rows + int((norms > 0).sum()))
             return
         self._problem(why)
 
@@ -586,6 +597,27 @@ class StepGuard:
                 raise BoundError("the weights changed between the forward and the step: the noise would be calibrated "
                                  "to the bounds of other weights than the backward used; change weights only through "
                                  "the private optimizer" + fix)
+
+    def check_sums(self, report: Any) -> None:
+        """What the bounds imply for the sum: a layer's summed gradient has norm at most ``m g``, ``g`` its
+        per-example bound and ``m`` the sum over the released backwards' rows of ``||output gradient|| / L``
+        (each row's gradient is linear in its output gradient), or the number of rows with a nonzero output
+        gradient when a layer clips the per-example gradient (``report.gradient_capped``: a row's gradient is
+        then within ``g`` only).  Only a changed backward (a hook put on an autograd node by hand, which nothing
+        else sees) or a wrong declared bound can fail it; a necessary condition, not the guarantee."""
+        if not self.sum_check:
+            return
+        masses = [self._mass.get(task, (0.0, 0)) for task in self._released]
+        mass = float(sum(rows for _, rows in masses)) if report.gradient_capped else sum(m for m, _ in masses)
+        for layer in report.layers:
+            norm = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad.double())) ** 2
+                                 for p in layer.params if p.grad is not None))
+            if norm > mass * layer.bound * (1 + _SUM_CHECK_TOL):
+                raise BoundError(
+                    f"layer '{layer.name}': the summed gradient has norm {norm:.6g} > {mass * layer.bound:.6g}, the "
+                    f"most {mass:.6g} examples' worth of gradient can have under the certified per-example bound "
+                    f"{layer.bound:.6g}: the backward was changed (a hook on an autograd node?) or the layer declares "
+                    "a wrong bound; call optimizer.zero_grad() and run the batch again")
 
     def finish_step(self, params: Sequence[torch.Tensor]) -> None:
         """After a released step: clear the gradients and start the next step."""

@@ -144,6 +144,7 @@ class DPOptimizer:
         """Check the gradients, add the planned noise, step, project, account, and start the next step."""
         self.guard.check_step(params)
         report = self.bound_engine.compute()
+        self.guard.check_sums(report)
         self.last_report = report
         if self.world_size == 1:
             self.last_noise_std = add_noise_(
