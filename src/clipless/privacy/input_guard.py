@@ -171,48 +171,22 @@ class _ForwardRecord:
         self.losses: List[Any] = []  # the clipless losses applied to this output
         self.backpropagated = False
 
+    def add_loss_grad(self, grad: torch.Tensor) -> None:
+        self.loss_grad = grad if self.loss_grad is None else self.loss_grad + grad
 
-class _OutputGate(torch.autograd.Function):
-    """Identity on the model's output; its backward checks the gradient that reaches the model.  A node rather
-    than a tensor hook, so that it runs after every hook a user puts on the output (they could rescale it)."""
 
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, record: _ForwardRecord) -> torch.Tensor:  # type: ignore[override]
-        ctx.record = record
-        return output.view_as(output)
+class _Tap(torch.autograd.Function):
+    """Identity whose backward hands the incoming gradient to ``seen``.  A node of the graph rather than a tensor
+    hook: it runs after every hook a user puts on the tensor (such a hook could rescale the gradient)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        ctx.record.guard._output_grad(ctx.record, grad)
-        return grad, None
-
-
-class _LossTap(torch.autograd.Function):
-    """Identity on the logits; its backward records the gradient the clipless loss sends to them."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, record: _ForwardRecord) -> torch.Tensor:  # type: ignore[override]
-        ctx.record = record
-        return logits.view_as(logits)
+    def forward(ctx: Any, x: torch.Tensor, seen: Callable[[torch.Tensor], Any]) -> torch.Tensor:  # type: ignore
+        ctx.seen = seen
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        record = ctx.record
-        record.loss_grad = grad if record.loss_grad is None else record.loss_grad + grad
-        return grad, None
-
-
-class _WeightTap(torch.autograd.Function):
-    """Identity on the per-example losses; its backward checks the weight each loss enters the gradient with."""
-
-    @staticmethod
-    def forward(ctx: Any, values: torch.Tensor, record: _ForwardRecord) -> torch.Tensor:  # type: ignore[override]
-        ctx.record = record
-        return values.view_as(values)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        ctx.record.guard._loss_weights(grad)
+        ctx.seen(grad)
         return grad, None
 
 
@@ -224,29 +198,15 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
     if record is None or not logits.requires_grad:
         return per_example(logits)
     record.losses.append(loss)
-    values = per_example(_LossTap.apply(logits, record))
+    values = per_example(_Tap.apply(logits, record.add_loss_grad))  # the gradient the loss sends to the logits
     if values.dim() != 1 or values.shape[0] != logits.shape[0]:
         raise BoundError(f"a clipless loss must return one value per example, got shape {tuple(values.shape)}")
-    return _WeightTap.apply(values, record)
+    return _Tap.apply(values, record.guard._loss_weights)  # the weight each loss enters the gradient with
 
 
 _WATCH_ATTR = "_clipless_watch"
 _ACCESSORS = ("__get__", "__set__")  # attribute reads (shape, grad, ...): no operation on the values
 
-
-class _WeightGate(torch.autograd.Function):
-    """Identity on a guarded weight inside the model's forward; its backward records the gradient the model's
-    forward sends to the weight, so that the weight's hook can check that nothing else reached it."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, guard: "StepGuard") -> torch.Tensor:  # type: ignore[override]
-        ctx.guard, ctx.key = guard, id(weight)
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        ctx.guard._through_model(ctx.key, grad)
-        return grad, None
 
 _WEIGHT_USED = "a weight of the private model was used outside the model's forward"
 
@@ -434,7 +394,7 @@ class StepGuard:
         """``weight`` as the model's forward uses it: one gate per weight and forward (see :meth:`_weight_grad`)."""
         gated = self._gates.get(id(weight))
         if gated is None:
-            gated = self._gates[id(weight)] = _WeightGate.apply(weight, self)
+            gated = self._gates[id(weight)] = _Tap.apply(weight, functools.partial(self._through_model, id(weight)))
         return gated
 
     def _leave(self, output: Any) -> Optional[torch.Tensor]:
@@ -448,7 +408,7 @@ class StepGuard:
         if self._snapshot is None or self._weights_differ(self._snapshot):
             self._snapshot = [p.detach().clone() for p in self.params]
         record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry or self._hooked())
-        gated = _OutputGate.apply(output, record)
+        gated = _Tap.apply(output, functools.partial(self._output_grad, record))  # after the output's own hooks
         setattr(gated, _RECORD_ATTR, record)
         return gated
 
