@@ -375,7 +375,8 @@ class StepGuard:
     def _enter(self) -> None:
         self._inside = True
         self._gates = {}
-        self._hooked_at_entry = self._hooked() if torch.is_grad_enabled() and not self._paused else None
+        # hooks act from the forward on (a module's backward hooks are wired in at its call): one look, at entry
+        self._hooked_at_entry = None if self._paused else self._hooked()
 
     def _hooked(self) -> Optional[str]:
         """Why hooks active now could make the forward or its backward differ from what the bounds describe."""
@@ -407,7 +408,7 @@ class StepGuard:
             return None
         if self._snapshot is None or self._weights_differ(self._snapshot):
             self._snapshot = [p.detach().clone() for p in self.params]
-        record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry or self._hooked())
+        record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry)
         gated = _Tap.apply(output, functools.partial(self._output_grad, record))  # after the output's own hooks
         setattr(gated, _RECORD_ATTR, record)
         return gated
