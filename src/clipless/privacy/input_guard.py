@@ -451,6 +451,8 @@ class StepGuard:
         losses, record.losses = record.losses, []
         twice, record.backpropagated = record.backpropagated, True
         lipschitz = self.loss_lipschitz()
+        norms = torch.linalg.vector_norm(grad.flatten(1).double(), dim=1)  # each example's loss gradient, float64
+        largest = float(norms.max()) if norms.numel() else 0.0
         if record.epoch != self.epoch:
             why = "the backward of a forward made before the last private step: run the forward again on a new batch"
         elif twice:
@@ -467,14 +469,13 @@ class StepGuard:
         elif not torch.equal(grad, loss_grad):
             why = ("the private model's output received gradient from outside its clipless loss: the per-example "
                    "bound assumes the loss is the only use of the output")
-        elif largest_norm(grad, lipschitz) > lipschitz * (1 + _LOGIT_GRAD_TOL):
-            why = (f"an example's loss gradient has norm {largest_norm(grad, lipschitz):.6g} > the loss constant "
+        elif largest > lipschitz * (1 + _LOGIT_GRAD_TOL):
+            why = (f"an example's loss gradient has norm {largest:.6g} > the loss constant "
                    f"L = {lipschitz:.6g}: the certified bound does not cover it")
         elif self._weights_differ(record.snapshot):
             why = "the weights changed between the forward and its backward: the bounds are those of other weights"
         else:
             self._checked[_task()] = record
-            norms = torch.linalg.vector_norm(grad.flatten(1).double(), dim=1)
             mass, rows = self._mass.get(_task(), (0.0, 0))
             self._mass[_task()] = (mass + float(norms.sum()) / lipschitz, rows + int((norms > 0).sum()))
             return
