@@ -258,7 +258,6 @@ class BoundEngine:
             return a * g_out + self._backward(module.branch, x_bound, b * g_out, out)  # type: ignore[attr-defined]
         lb = self._leaf_bound(module, x_bound)
         g_eff = min(g_out, lb.grad_cap)
-        self._capped = self._capped or math.isfinite(lb.grad_cap)
         params, bounds = [], []
         for pname, param in module.named_parameters(recurse=False):
             if not param.requires_grad:
@@ -283,7 +282,6 @@ class BoundEngine:
         """Certified per-layer per-example gradient bounds for the current weights."""
         self._check_known_forwards()  # hooks added after construction would change the analysed function
         self._cache: Dict[Tuple[int, float], LayerBound] = {}
-        self._capped = False
         layers: List[LayerSensitivity] = []
         output_bound = self._out_bound(self.model, self.input_bound)
         self._backward(self.model, self.input_bound, self.loss_lipschitz, layers)
@@ -293,7 +291,7 @@ class BoundEngine:
             input_bound=self.input_bound,
             output_bound=output_bound,
             loss_lipschitz=self.loss_lipschitz,
-            gradient_capped=self._capped,
+            gradient_capped=any(math.isfinite(lb.grad_cap) for lb in self._cache.values()),
         )
 
     def _lipschitz(self, module: nn.Module, x_bound: float) -> float:
