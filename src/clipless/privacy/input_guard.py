@@ -451,7 +451,7 @@ class StepGuard:
         losses, record.losses = record.losses, []
         twice, record.backpropagated = record.backpropagated, True
         lipschitz = self.loss_lipschitz()
-        norms = torch.linalg.vector_norm(grad.flatten(1).double(), dim=1)  # each example's loss gradient, float64
+        norms = torch.linalg.vector_norm(grad.detach().flatten(1).double(), dim=1)  # each example's loss gradient
         largest = float(norms.max()) if norms.numel() else 0.0
         if record.epoch != self.epoch:
             why = "the backward of a forward made before the last private step: run the forward again on a new batch"
