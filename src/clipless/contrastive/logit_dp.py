@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
+from torch.nn.modules.utils import _pair
 
 from ..privacy.input_guard import global_hooks_registered, module_hooks
 
@@ -275,43 +276,85 @@ def _plain_conv2d(m: nn.Module) -> bool:
 def _conv_jacobian(encoder: nn.Module, convs: List[nn.Module], x: torch.Tensor, chunk: int) -> torch.Tensor:
     """Per-example Jacobian ``(n, d, p)`` of the normalized embedding w.r.t. the trainable parameters of
     ``convs`` (plain ``Conv2d`` layers, each run once): ``delta[i, a] = d u_i[a] / d z_i`` at each layer's
-    output by one batched backward pass per chunk of examples, then ``J_i[a] = delta[i, a] unfold(h_i)^T``
-    (and ``sum_positions delta[i, a]`` for the bias).  Each chunk is a batch forward of its own examples: the
-    factored path admits only layers that act on each example alone."""
+    output, then ``J_i[a] = delta[i, a] unfold(h_i)^T`` (and ``sum_positions delta[i, a]`` for the bias).
+
+    The ``d`` directions of a chunk of examples are carried back together as ``chunk x d`` cotangents, module
+    by module down the call sequence (:func:`_batched_vjp`): every module of the factored path acts on each
+    example alone, so each call's vector-Jacobian product is that of a batch, and no autograd graph of the
+    ``d``-fold batch is built."""
+    leaves = [m for m in encoder.modules() if not isinstance(m, nn.Sequential)]
     parts = []
     for start in range(0, x.shape[0], chunk):
-        records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {id(m): [] for m in convs}
+        calls: List[Tuple[nn.Module, torch.Tensor]] = []
 
-        def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-            records[id(module)].append((args[0].detach().clone(), out))
-            return out.clone()  # in-place activations after the layer must not overwrite the recorded output
+        def record(module: nn.Module, args: Tuple[torch.Tensor, ...]) -> None:
+            calls.append((module, args[0].detach().clone()))  # before an in-place layer overwrites it
 
-        handles = [m.register_forward_hook(hook) for m in convs]
+        handles = [m.register_forward_pre_hook(record) for m in leaves]
         try:
-            with torch.enable_grad():
-                u = F.normalize(encoder(x[start : start + chunk]), dim=1)
+            with torch.no_grad():
+                e = encoder(x[start : start + chunk])
         finally:
             for h in handles:
                 h.remove()
-        if any(len(r) != 1 for r in records.values()):
+        ran = [m for m, _ in calls]
+        if any(sum(m is r for r in ran) != 1 for m in convs):
             raise ValueError("a convolution of the encoder runs more than once per forward pass")
-        c, d = u.shape
-        basis = torch.eye(d, dtype=u.dtype, device=u.device).unsqueeze(1).expand(d, c, d)
-        deltas = torch.autograd.grad(u, [records[id(m)][0][1] for m in convs], grad_outputs=basis,
-                                     is_grads_batched=True, allow_unused=True)
+        c, d = e.shape
+        basis = torch.eye(d, dtype=e.dtype, device=e.device).repeat(c, 1)  # row i * d + a: e_a
+        g = _batched_vjp(lambda t: F.normalize(t, dim=1), e, basis)
+        deltas: Dict[int, torch.Tensor] = {}
+        first = min(k for k, m in enumerate(ran) if any(m is conv for conv in convs))
+        for k in range(len(calls) - 1, first - 1, -1):
+            m, h = calls[k]
+            if any(m is conv for conv in convs):
+                deltas[id(m)] = g.reshape(c, d, g.shape[1], -1)  # (c, d, out channels, positions)
+            if k > first:
+                g = _batched_vjp(m, h, g)
         blocks = []
-        for m, delta in zip(convs, deltas):
-            h, out = records[id(m)][0]
-            if delta is None:
-                delta = torch.zeros((d,) + tuple(out.shape), dtype=out.dtype, device=out.device)
-            flat = delta.flatten(3)  # (d, c, out channels, positions)
+        for m in convs:
+            h = next(h for r, h in calls if r is m)
+            flat = deltas[id(m)]
             if m.weight.requires_grad:
                 patches = F.unfold(h, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
-                blocks.append(torch.einsum("aiol,ikl->iaok", flat, patches).flatten(2))
+                blocks.append(torch.einsum("iaol,ikl->iaok", flat, patches).flatten(2))
             if m.bias is not None and m.bias.requires_grad:
-                blocks.append(flat.sum(-1).permute(1, 0, 2))
+                blocks.append(flat.sum(-1))
         parts.append(torch.cat(blocks, 2))
     return torch.cat(parts)
+
+
+def _batched_vjp(module: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Vector-Jacobian products of a per-example ``module`` at input ``h`` (``c`` examples) with the
+    cotangents ``g`` (``c x k`` rows, row ``i * k + a`` for example ``i``).  Linear maps (``nn.Linear``,
+    plain convolutions, average pooling, reshapes) need no input; an elementwise activation's derivative is
+    taken once per example; any other module goes by autograd through one forward of the repeated input."""
+    c = h.shape[0]
+    k = g.shape[0] // max(c, 1)
+    if type(module) is nn.Linear:
+        return g @ module.weight.detach()
+    if isinstance(module, nn.Conv2d) and _plain_conv2d(module):
+        return torch.nn.grad.conv2d_input((g.shape[0],) + tuple(h.shape[1:]), module.weight.detach(), g,
+                                          module.stride, module.padding, module.dilation, module.groups)
+    if isinstance(module, (nn.Flatten, nn.Identity)):
+        return g.reshape((g.shape[0],) + tuple(h.shape[1:]))
+    shape = (g.shape[0],) + tuple(h.shape[1:])
+    if type(module) is nn.AvgPool2d:
+        size = _pair(module.kernel_size)
+        stride = _pair(module.stride if module.stride is not None else module.kernel_size)
+        return torch.ops.aten.avg_pool2d_backward(g, h.new_zeros(()).expand(shape), size, stride,
+                                                  _pair(module.padding), module.ceil_mode,
+                                                  module.count_include_pad, module.divisor_override)
+    if isinstance(module, _KNOWN_ACTIVATIONS):  # diagonal Jacobian: the gradient of the sum is its diagonal
+        leaf = h.clone().requires_grad_()
+        with torch.enable_grad():
+            out = module(leaf.clone() if getattr(module, "inplace", False) else leaf)
+        slope = torch.autograd.grad(out.sum(), leaf)[0]
+        return (g.view((c, k) + tuple(h.shape[1:])) * slope.unsqueeze(1)).view(shape)
+    leaf = h.repeat_interleave(k, dim=0).requires_grad_()
+    with torch.enable_grad():
+        out = module(leaf.clone() if getattr(module, "inplace", False) else leaf)
+    return torch.autograd.grad(out, leaf, g)[0]
 
 
 def _tail_layer_terms(fa: Tuple, fb: Tuple, u: torch.Tensor, v: torch.Tensor, ra: torch.Tensor,
