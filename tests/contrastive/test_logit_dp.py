@@ -726,3 +726,95 @@ def test_build_encoder_kinds() -> None:
     assert not any(isinstance(m, nn.Conv2d) for m in mlp.modules()) and mlp(torch.rand(2, 1, 8, 8)).shape == (2, 5)
     with pytest.raises(ValueError, match="encoder must be one of"):
         build_encoder("resnet", (1, 8, 8), 5)
+
+
+def _scaling_slips():
+    """Ways to make the backward of the released pass differ from the function whose pair norms were clipped."""
+
+    def weight_hook(enc):
+        enc[1].weight.register_hook(lambda g: 100 * g)
+
+    def accumulate_hook(enc):
+        enc[1].weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(100))
+
+    return {"weight tensor hook": weight_hook, "post-accumulate hook": accumulate_hook}
+
+
+@pytest.mark.parametrize("slip", sorted(_scaling_slips()))
+def test_hooks_on_parameters_do_not_reach_the_released_gradient(slip: str) -> None:
+    """A hook on a weight scaled Logit-DP's released sum 58-fold: it is now taken at fresh leaves."""
+    gen = torch.Generator().manual_seed(3)
+    xa, xb = torch.randn(6, 12, generator=gen, dtype=torch.float64), torch.randn(6, 12, generator=gen, dtype=torch.float64)
+    clean = _mlp(2, act=nn.ReLU)
+    logit_dp_gradient(clean, xa, xb, "contrastive", 1.0, 0.1)
+    hooked = _mlp(2, act=nn.ReLU)
+    _scaling_slips()[slip](hooked)
+    logit_dp_gradient(hooked, xa, xb, "contrastive", 1.0, 0.1)
+    torch.testing.assert_close(_grad_vector(hooked), _grad_vector(clean), rtol=0, atol=0)
+
+
+def _refused_slips():
+    def backward_hook(enc):
+        return enc[3].register_full_backward_hook(lambda m, gi, go: (100 * gi[0],))
+
+    def backward_pre_hook(enc):
+        return enc[3].register_full_backward_pre_hook(lambda m, go: (100 * go[0],))
+
+    def forward_hook(enc):
+        return enc[3].register_forward_hook(lambda m, a, out: 100 * out)
+
+    def global_backward_hook(enc):
+        return nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: tuple(
+            None if g is None else 100 * g for g in gi))
+
+    return {"backward hook": backward_hook, "backward pre-hook": backward_pre_hook, "forward hook": forward_hook,
+            "global backward hook": global_backward_hook}
+
+
+@pytest.mark.parametrize("slip", sorted(_refused_slips()))
+def test_hooks_that_could_change_the_backward_are_refused(slip: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    xa, xb = torch.randn(4, 12, generator=gen, dtype=torch.float64), torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    enc = _mlp(5, act=nn.ReLU)
+    handle = _refused_slips()[slip](enc)
+    try:
+        with pytest.raises(ValueError, match="hook"):
+            logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1)
+    finally:
+        handle.remove()
+    assert all(p.grad is None for p in enc.parameters())
+    logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1)  # and accepted once removed
+
+
+def test_saved_tensor_hooks_refused_and_save_on_cpu_accepted() -> None:
+    gen = torch.Generator().manual_seed(5)
+    xa, xb = torch.randn(4, 12, generator=gen, dtype=torch.float64), torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    enc = _mlp(6, act=nn.ReLU)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: 100 * t, lambda t: t):
+        with pytest.raises(ValueError, match="saved-tensor hooks"):
+            logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1)
+    logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1)
+    clean = _grad_vector(enc)
+    with torch.autograd.graph.save_on_cpu():
+        logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1)
+    torch.testing.assert_close(_grad_vector(enc), clean, rtol=0, atol=0)
+
+
+def test_a_forward_that_changes_between_passes_is_refused() -> None:
+    """The third call on scales the input: the pair norms would be measured on another function than the one
+    differentiated (the released sum was 1.2 here for a bound of about 0.3 before the check)."""
+
+    class Drifting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(12, 4, dtype=torch.float64)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.lin(x * (100.0 if self.calls > 2 else 1.0))
+
+    gen = torch.Generator().manual_seed(6)
+    xa, xb = torch.randn(4, 12, generator=gen, dtype=torch.float64), torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    with pytest.raises(ValueError, match="changed between the pass that measured"):
+        logit_dp_gradient(Drifting(), xa, xb, "contrastive", 1.0, 0.1)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.utils import _pair
 
-from ..privacy.input_guard import global_hooks_registered, module_hooks
+from ..privacy.input_guard import global_hooks_registered, module_hooks, saved_tensor_hooks_active
 
 __all__ = [
     "CONTRASTIVE_LOSSES",
@@ -565,7 +565,7 @@ def pair_gradient_norms(
     ``"auto"`` takes the first that applies.  The values are over-estimated by a rounding margin only
     when used for clipping (:func:`logit_dp_gradient`), not here.
     """
-    squared, _ = _gram_terms(encoder, xa, xb, method, block, chunk)
+    squared = _gram_terms(encoder, xa, xb, method, block, chunk)[0]
     return squared.double().clamp_min(0.0).sqrt()
 
 
@@ -592,7 +592,7 @@ def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: 
         fac_a = _layer_factors(encoder, xa, chunk)
         fac_b = _layer_factors(encoder, xb, chunk) if fac_a is not None else None
         if fac_a is not None and fac_b is not None:
-            return _terms_from_factors(fac_a, fac_b, block)
+            return _terms_from_factors(fac_a, fac_b, block) + (fac_a[0], fac_b[0])
         if method == "factored":
             raise ValueError("method='factored' needs an encoder built from nn.Sequential, nn.Linear (applied once "
                              "to (batch, features) inputs), convolutions, pooling, LayerNorm/GroupNorm and "
@@ -607,12 +607,28 @@ def _jacobian_terms_all_parameters(encoder: nn.Module, xa: torch.Tensor, xb: tor
         v = normalized_embedding(encoder, xb).double()
     ja, jb = _jacobian(encoder, xa, chunk), _jacobian(encoder, xb, chunk)
     total, trace_a, trace_b, length = _jacobian_terms(ja, jb, u, v)
-    return total, _rounding_margin(length, total.dtype) * (trace_a[:, None] + trace_b[None, :])
+    return total, _rounding_margin(length, total.dtype) * (trace_a[:, None] + trace_b[None, :]), u, v
 
 
 # ---------------------------------------------------------------------------------------------------
 # The two private gradients (noise is added by the caller; see clipless.contrastive.pretrain)
 # ---------------------------------------------------------------------------------------------------
+
+
+def _refuse_hooks(encoder: nn.Module) -> None:
+    """Hooks may change the backward (module backward hooks, saved-tensor hooks) or the forward between the pass
+    that measures the pair norms and the one that differentiates them: either would release a pair gradient
+    larger than its clip."""
+    if global_hooks_registered():
+        raise ValueError("global module hooks (torch.nn.modules.module.register_module_*) are registered: "
+                         "they could change the gradient after its pair norms were clipped; remove them")
+    for name, m in encoder.named_modules():
+        if module_hooks(m):
+            raise ValueError(f"layer {name or 'encoder'} ({type(m).__name__}) has a forward or backward hook: "
+                             "it could change the gradient after its pair norms were clipped; remove it")
+    if saved_tensor_hooks_active():
+        raise ValueError("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, torch.utils.checkpoint) "
+                         "are active: the backward might not use the forward's values; run outside them")
 
 
 def _cleared_params(encoder: nn.Module) -> List[nn.Parameter]:
@@ -633,9 +649,15 @@ def clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_no
                  method: str = "auto", block: int = 256) -> torch.Tensor:
     """``min(1, B / ||g_ij||)`` for all pairs (float64), with ``||g_ij||`` over-estimated by a bound on
     the rounding of ``A + 2C + B`` so that no clipped pair gradient exceeds ``B``."""
-    squared, slack = _gram_terms(encoder, xa, xb, method, block, chunk=64)
+    return _clip_factors(encoder, xa, xb, clip_norm, method, block)[0]
+
+
+def _clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_norm: float, method: str,
+                  block: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`clip_factors` and the normalized embeddings ``u``, ``v`` whose pair norms they clip."""
+    squared, slack, u, v = _gram_terms(encoder, xa, xb, method, block, chunk=64)
     norms = (squared.double() + slack.double()).clamp_min(0.0).sqrt()
-    return torch.clamp(clip_norm / norms.clamp_min(1e-300), max=1.0)
+    return torch.clamp(clip_norm / norms.clamp_min(1e-300), max=1.0), u, v
 
 
 def logit_dp_gradient(
@@ -655,15 +677,31 @@ def logit_dp_gradient(
     _check_loss(loss, tau)
     if not (clip_norm > 0):
         raise ValueError(f"clip norm B must be positive, got {clip_norm}")
+    _refuse_hooks(encoder)
     params = _cleared_params(encoder)
     if xa.shape[0] == 0:
         _fill_missing_grads(params)
         return {"loss": 0.0, "clipped_fraction": 0.0}
-    factor = clip_factors(encoder, xa, xb, clip_norm, method, block)
-    z = pair_logits(encoder, xa, xb, tau)
+    factor, u_measured, v_measured = _clip_factors(encoder, xa, xb, clip_norm, method, block)
+    # The released gradient is taken at fresh leaves: hooks put on the parameters themselves (which no one
+    # can list) never see it, so it is exactly sum_ij lambda_ij grad Z_ij.
+    names = [k for k, p in encoder.named_parameters() if p.requires_grad]
+    leaves = {k: p.detach().requires_grad_() for k, p in encoder.named_parameters() if p.requires_grad}
+    u = F.normalize(functional_call(encoder, leaves, (xa,)), dim=1)
+    v = F.normalize(functional_call(encoder, leaves, (xb,)), dim=1)
+    # A forward that is not a function of its input alone (state, randomness) would release the gradient of
+    # another function than the one whose pair norms were clipped.
+    for side, now, then in (("first", u, u_measured), ("second", v, v_measured)):
+        if not torch.allclose(now.detach(), then.to(now.dtype), rtol=1e-4, atol=1e-5):
+            raise ValueError(f"the encoder's embeddings of the {side} views changed between the pass that "
+                             "measured the pair norms and the pass that differentiates them: a forward that keeps "
+                             "state or draws random numbers cannot be trained with Logit-DP")
+    z = similarity_logits(u, v, tau)
     a = logit_gradient(z, loss)
     weights = (a.double() * factor).to(z.dtype)
-    (weights * z).sum().backward()
+    grads = torch.autograd.grad((weights * z).sum(), [leaves[k] for k in names], allow_unused=True)
+    for p, g in zip(params, grads):
+        p.grad = g
     _fill_missing_grads(params)
     return {"loss": float(LOSS_FUNCTIONS[loss](z.detach())), "clipped_fraction": float((factor < 1).double().mean())}
 

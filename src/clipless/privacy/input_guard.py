@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .certified import BoundError
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
-           "global_hooks_registered", "module_hooks"]
+           "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -95,6 +95,13 @@ def global_hooks_registered() -> bool:
 
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
                 or _module._global_backward_pre_hooks)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks other than torch's value-preserving ones are active: they could hand the
+    backward values other than the forward's."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # only the innermost pair applies
+    return hooks is not None and tuple((h.__module__, h.__qualname__) for h in hooks) not in _VALUE_PRESERVING
 
 
 def module_hooks(module: nn.Module) -> List[Any]:
@@ -385,8 +392,7 @@ class StepGuard:
         for module in self._modules:
             if module_hooks(module):
                 return "a module of the private model had a forward or backward hook"
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # only the innermost pair applies
-        if hooks is not None and tuple((h.__module__, h.__qualname__) for h in hooks) not in _VALUE_PRESERVING:
+        if saved_tensor_hooks_active():
             return ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, torch.utils.checkpoint) were "
                     "active: the backward might not use the forward's values")
         return None
