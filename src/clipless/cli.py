@@ -590,6 +590,9 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
     from .privacy.modules import project_all_
     from .train.checkpoint import load_checkpoint, write_atomically
 
+    target = path or out_dir / "model.pt2"
+    if target.is_dir():
+        raise SystemExit(f"clipless export: --out {target} is a directory; give a file name (e.g. {target / 'model.pt2'})")
     state = load_checkpoint(out_dir / "checkpoint.pt")
     saved = state.get("run_config")
     if not saved:
@@ -610,7 +613,7 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
     buffer = io.BytesIO()
     batch = torch.export.Dim("batch", min=1)
     torch.export.save(torch.export.export(exported, (x[:2],), dynamic_shapes=({0: batch},)), buffer)
-    target = path or out_dir / "model.pt2"
+    target.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(target, buffer.getvalue())
     return {"path": str(target), "layers": len(exported), "checked_examples": int(x.shape[0]),
             "max_abs_difference": float((ours - theirs).abs().max()),

@@ -774,7 +774,8 @@ def _refused_slips():
 @pytest.mark.parametrize("slip", sorted(_refused_slips()))
 def test_hooks_that_could_change_the_backward_are_refused(slip: str) -> None:
     gen = torch.Generator().manual_seed(4)
-    xa, xb = torch.randn(4, 12, generator=gen, dtype=torch.float64), torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xa = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xb = torch.randn(4, 12, generator=gen, dtype=torch.float64)
     enc = _mlp(5, act=nn.ReLU)
     handle = _refused_slips()[slip](enc)
     try:
@@ -788,7 +789,8 @@ def test_hooks_that_could_change_the_backward_are_refused(slip: str) -> None:
 
 def test_saved_tensor_hooks_refused_and_save_on_cpu_accepted() -> None:
     gen = torch.Generator().manual_seed(5)
-    xa, xb = torch.randn(4, 12, generator=gen, dtype=torch.float64), torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xa = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xb = torch.randn(4, 12, generator=gen, dtype=torch.float64)
     enc = _mlp(6, act=nn.ReLU)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: 100 * t, lambda t: t):
         with pytest.raises(ValueError, match="saved-tensor hooks"):
@@ -815,6 +817,64 @@ def test_a_forward_that_changes_between_passes_is_refused() -> None:
             return self.lin(x * (100.0 if self.calls > 2 else 1.0))
 
     gen = torch.Generator().manual_seed(6)
-    xa, xb = torch.randn(4, 12, generator=gen, dtype=torch.float64), torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xa = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xb = torch.randn(4, 12, generator=gen, dtype=torch.float64)
     with pytest.raises(ValueError, match="changed between the pass that measured"):
         logit_dp_gradient(Drifting(), xa, xb, "contrastive", 1.0, 0.1)
+
+
+class _ScalesOutsideVmap(torch.autograd.Function):
+    """Identity forward; a backward that is the identity under vmap (where the pair norms are measured) and
+    1000x outside it (the released pass): released 691x the clean gradient before the check."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # type: ignore[override]
+        pass
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g * (1.0 if torch._C._functorch.is_batchedtensor(g) else 1000.0)
+
+    generate_vmap_rule = True
+
+
+@pytest.mark.parametrize("method", ["auto", "jacobian"])
+def test_a_custom_autograd_function_in_the_encoder_is_refused(method: str) -> None:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(12, 16, dtype=torch.float64), nn.Linear(16, 4, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(_ScalesOutsideVmap.apply(torch.tanh(self.first(x))))
+
+    gen = torch.Generator().manual_seed(7)
+    xa = torch.randn(64, 12, generator=gen, dtype=torch.float64)
+    xb = torch.randn(64, 12, generator=gen, dtype=torch.float64)
+    with pytest.raises(ValueError, match="custom torch.autograd.Function _ScalesOutsideVmap"):
+        logit_dp_gradient(Encoder(), xa, xb, "contrastive", 1.0, 0.1, method=method)
+
+
+def test_a_custom_function_used_for_some_inputs_only_is_refused_in_the_released_pass() -> None:
+    """The early check sees the first example; the released pass's whole graph is checked too."""
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(12, 4, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.lin(x)
+            if x.shape[0] > 1:  # not on a single example
+                out = _ScalesOutsideVmap.apply(out)
+            return out
+
+    gen = torch.Generator().manual_seed(8)
+    xa = torch.randn(8, 12, generator=gen, dtype=torch.float64)
+    xb = torch.randn(8, 12, generator=gen, dtype=torch.float64)
+    with pytest.raises(ValueError, match="custom torch.autograd.Function"):
+        logit_dp_gradient(Encoder(), xa, xb, "contrastive", 1.0, 0.1, method="jacobian")

@@ -94,6 +94,12 @@ def test_cli_export_of_a_trained_run(tmp_path) -> None:
     assert main(["export", "--output-dir", str(default)]) == 0
     with pytest.raises(SystemExit, match="cannot read checkpoint|checkpoint"):
         main(["export", "--output-dir", str(tmp_path / "missing")])
+    # --out into a directory that does not exist yet creates it; --out naming a directory is refused
+    nested = tmp_path / "new" / "deeper" / "m.pt2"
+    assert main(["export", "--output-dir", str(out), "--out", str(nested)]) == 0
+    assert torch.export.load(str(nested)).module()(x[:3]).shape == (3, 10)
+    with pytest.raises(SystemExit, match="is a directory"):
+        main(["export", "--output-dir", str(out), "--out", str(tmp_path)])
 
 
 def test_cli_run_with_iterate_averaging_reports_and_exports_the_average(tmp_path) -> None:

@@ -17,7 +17,7 @@ Jacobian blocks (other layers) without any pair-sized parameter vector (:func:`p
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -631,6 +631,24 @@ def _refuse_hooks(encoder: nn.Module) -> None:
                          "are active: the backward might not use the forward's values; run outside them")
 
 
+def _refuse_custom_functions(outputs: Sequence[torch.Tensor]) -> None:
+    """The pair norms are those of ``J^T w`` for the autograd Jacobian ``J``; a custom ``autograd.Function``'s
+    backward need not be that linear map of its cotangent (it may scale large cotangents more), so the
+    released gradient could exceed its clip: refuse any in the graph of the embeddings."""
+    seen, stack = set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            name = getattr(node, "_forward_cls", type(node)).__name__
+            raise ValueError(f"the encoder applies the custom torch.autograd.Function {name}: its backward is not "
+                             "checked to be the derivative of its forward, so the clipped pair norms would not "
+                             "bound the released gradient; write it with differentiable torch operations")
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
 def _cleared_params(encoder: nn.Module) -> List[nn.Parameter]:
     params = [p for p in encoder.parameters() if p.requires_grad]
     for p in params:
@@ -678,10 +696,12 @@ def logit_dp_gradient(
     if not (clip_norm > 0):
         raise ValueError(f"clip norm B must be positive, got {clip_norm}")
     _refuse_hooks(encoder)
+    _check_per_example(encoder)
     params = _cleared_params(encoder)
     if xa.shape[0] == 0:
         _fill_missing_grads(params)
         return {"loss": 0.0, "clipped_fraction": 0.0}
+    _refuse_custom_functions([encoder(xa[:1])])  # early and clear; the released pass is checked whole below
     factor, u_measured, v_measured = _clip_factors(encoder, xa, xb, clip_norm, method, block)
     # The released gradient is taken at fresh leaves: hooks put on the parameters themselves (which no one
     # can list) never see it, so it is exactly sum_ij lambda_ij grad Z_ij.
@@ -696,6 +716,7 @@ def logit_dp_gradient(
             raise ValueError(f"the encoder's embeddings of the {side} views changed between the pass that "
                              "measured the pair norms and the pass that differentiates them: a forward that keeps "
                              "state or draws random numbers cannot be trained with Logit-DP")
+    _refuse_custom_functions([u, v])
     z = similarity_logits(u, v, tau)
     a = logit_gradient(z, loss)
     weights = (a.double() * factor).to(z.dtype)
