@@ -417,6 +417,14 @@ def test_checkpoint_keeps_accountant(tmp_path) -> None:
     save_checkpoint(state, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="accountant"):
         _trainer("logit_dp").load_checkpoint(tmp_path / "bad.pt")
+    # an accountant that composed fewer steps than the run released would under-report epsilon from here on
+    state = load_checkpoint(tmp_path / "c.pt")
+    state["steps"] += 5
+    save_checkpoint(state, tmp_path / "short.pt")
+    fresh = _trainer("logit_dp", epochs=2)
+    with pytest.raises(ValueError, match="composed .* steps but the run records"):
+        fresh.load_checkpoint(tmp_path / "short.pt")
+    assert fresh.steps == 0 and fresh.accountant.steps == 0
 
 
 def test_bad_input_errors() -> None:
@@ -878,3 +886,10 @@ def test_a_custom_function_used_for_some_inputs_only_is_refused_in_the_released_
     xb = torch.randn(8, 12, generator=gen, dtype=torch.float64)
     with pytest.raises(ValueError, match="custom torch.autograd.Function"):
         logit_dp_gradient(Encoder(), xa, xb, "contrastive", 1.0, 0.1, method="jacobian")
+
+
+@pytest.mark.parametrize("batch_size", [True, "8", 0, 10 ** 6, float("nan")])
+def test_pretrainer_refuses_a_bad_expected_batch_size(batch_size) -> None:
+    """``batch_size=True`` was accepted as 1 (a boolean is an int): q = 1/N accounted for a batch of 1."""
+    with pytest.raises(ValueError, match="batch_size"):
+        _trainer("logit_dp", batch_size=batch_size)

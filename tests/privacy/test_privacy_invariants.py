@@ -355,6 +355,21 @@ def test_noise_drawn_per_parameter_is_the_plan():
     assert engine.accountant.history == [(plan.step_sigma, 8.0 / 64, 300)]
 
 
+def test_plan_multipliers_cannot_be_edited_in_place():
+    """An edited per-layer multiplier would change the noise drawn but not the accounted sigma_step."""
+    import copy
+    import pickle
+
+    _, _, opt, _ = _engine_setup()
+    plan = opt.plan
+    name = next(iter(plan.layer_sigmas))
+    with pytest.raises(TypeError):
+        plan.layer_sigmas[name] = 0.0  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        plan.gradient_sigma = 0.0  # type: ignore[misc]
+    assert copy.deepcopy(plan) == plan and pickle.loads(pickle.dumps(plan)) == plan
+
+
 def test_plan_refuses_fractional_epochs_and_bad_numbers():
     with pytest.raises(ValueError, match="whole number"):
         _engine_setup(noise_multiplier=None, target_epsilon=2.0, target_delta=1e-3, epochs=1.5)

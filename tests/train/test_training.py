@@ -10,6 +10,7 @@ import yaml
 
 import clipless as cl
 from clipless.cli import main
+from clipless.train.checkpoint import load_checkpoint, save_checkpoint
 
 
 def digits_trainer(epochs=4, seed=0, data_seed=0, **kw):
@@ -68,6 +69,15 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
     assert result.epsilon == pytest.approx(straight.epsilon(), rel=1e-12)
     for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-5)
+    # a checkpoint whose accountant composed fewer steps than it released is refused before anything is loaded
+    state = load_checkpoint(tmp_path / "ckpt.pt")
+    state["steps"] += 3
+    save_checkpoint(state, tmp_path / "short.pt")
+    fresh = digits_trainer(epochs=4, seed=0)
+    before = [p.detach().clone() for p in fresh.model.parameters()]
+    with pytest.raises(ValueError, match="composed .* steps but the run records"):
+        fresh.load_checkpoint(tmp_path / "short.pt")
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters())) and fresh.accountant.steps == 0
 
 
 def test_mnist_smoke(shared_data):

@@ -18,12 +18,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from ..privacy.accounting import PrivacyAccountant, check_delta
+from ..privacy.accounting import PrivacyAccountant, check_accounted_steps, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
 from ..privacy.distributed import world
 from ..privacy.randomness import make_generator, randomness_label
-from ..privacy.sampling import poisson_data_loader
+from ..privacy.sampling import expected_batch_size, poisson_data_loader
 from ..train.checkpoint import load_checkpoint, save_checkpoint
 from .logit_dp import (
     LOSS_FUNCTIONS,
@@ -125,8 +125,7 @@ class ContrastivePretrainer:
         if loss not in LOSS_FUNCTIONS:
             raise ValueError(f"loss must be one of {tuple(LOSS_FUNCTIONS)}, got {loss!r}")
         n = len(pairs)  # type: ignore[arg-type]
-        if not (0 < batch_size <= n):
-            raise ValueError(f"expected batch size must be in (0, {n}], got {batch_size}")
+        batch_size = expected_batch_size(batch_size, n)
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
@@ -282,6 +281,8 @@ class ContrastivePretrainer:
             if saved.get(key) != mine:
                 raise ValueError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, not {mine!r}: resume "
                                  "with the same privacy configuration")
+        if self.accountant is not None:
+            check_accounted_steps(state["accountant"], state.get("steps"), path)
         self.encoder.load_state_dict(state["encoder"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.accountant is not None:

@@ -22,6 +22,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_steps",
     "check_delta",
+    "check_accounted_steps",
 ]
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -94,6 +95,16 @@ class _Entry:
     noise_multiplier: float
     sample_rate: float
     steps: int
+
+
+def check_accounted_steps(accountant_state: Dict[str, Any], steps: Any, path: Any) -> None:
+    """A checkpoint's accountant must have composed exactly the steps its run released: fewer would
+    under-report epsilon from the resumed run on."""
+    accountant = PrivacyAccountant(accountant_state.get("mechanism", "pld"))
+    accountant.load_state_dict(accountant_state)
+    if isinstance(steps, bool) or not isinstance(steps, int) or accountant.steps != steps:
+        raise ValueError(f"checkpoint {path}: its accountant composed {accountant.steps} steps but the run records "
+                         f"{steps!r} released steps; resume from an intact checkpoint or restart training")
 
 
 class PrivacyAccountant:

@@ -17,8 +17,10 @@ Meanings, the same everywhere:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import types
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -57,6 +59,15 @@ class NoisePlan:
     delta: Optional[float] = None
     budget_limited: bool = False
 
+    def __post_init__(self) -> None:
+        # Read-only: a per-layer multiplier edited in place would change the noise drawn but not the step_sigma
+        # the accountant composes.
+        object.__setattr__(self, "layer_sigmas", types.MappingProxyType(dict(self.layer_sigmas)))
+
+    def __reduce__(self):  # a mappingproxy does not pickle; the plan does (checkpoints, deepcopy)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return (_rebuild_plan, (dict(fields, layer_sigmas=dict(self.layer_sigmas)),))
+
     def check_budget(self, steps_taken: int) -> None:
         """Refuse a step past the budget (every private step of the library calls this before releasing noise)."""
         if self.max_steps is not None and steps_taken >= self.max_steps:
@@ -67,6 +78,10 @@ class NoisePlan:
     def account_step(self, accountant: Any) -> None:
         """Record one released step of this plan's mechanism at its sample rate."""
         accountant.step(self.step_sigma, self.sample_rate)
+
+
+def _rebuild_plan(fields: Dict[str, Any]) -> NoisePlan:
+    return NoisePlan(**fields)
 
 
 def planned_steps(epochs: object, steps_per_epoch: int) -> int:

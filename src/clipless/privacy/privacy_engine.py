@@ -16,7 +16,7 @@ from .distributed import DistributedPoissonBatchSampler, check_same_on_all_ranks
 from .input_guard import InputGuard
 from .modules import InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
-from .sampling import poisson_data_loader, poisson_threshold
+from .sampling import expected_batch_size, poisson_data_loader, poisson_threshold
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf"]
 
@@ -56,9 +56,7 @@ def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -
         data = data.dataset
     if batch_size is None:
         raise ValueError("give the expected batch size (batch_size)")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)):  # True would read as 1
-        raise ValueError(f"batch_size (the expected Poisson batch size) must be a number, got {batch_size!r}")
-    return data, float(batch_size)
+    return data, expected_batch_size(batch_size, len(data))  # type: ignore[arg-type]
 
 
 class PrivacyEngine:
@@ -143,8 +141,6 @@ class PrivacyEngine:
             # step sums the gradients itself, after the noise, so DDP's averaging all-reduce is switched off
             wrapped = DistributedDataParallel(module, forward_sync_buffers=False)
             wrapped.require_backward_grad_sync = False
-        if not (0 < b <= n):
-            raise ValueError(f"expected batch size {b} must be in (0, N={n}]")
         if target_delta is not None:
             check_delta(target_delta, n)
         if target_epsilon is not None and target_delta is None:

@@ -12,13 +12,22 @@ from torch.utils.data._utils.collate import default_collate
 from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "poisson_data_loader", "BatchCollator", "PreCollated", "poisson_threshold",
-           "realised_sample_rate", "SAMPLING_BITS"]
+           "realised_sample_rate", "expected_batch_size", "SAMPLING_BITS"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
 # uniforms have resolution 2^-24 and realised q = 3.33e-7 as 3.58e-7).  A rate at or below the accounted q
 # never under-reports epsilon (the subsampled Gaussian's epsilon increases with q).
 SAMPLING_BITS = 53
+
+
+def expected_batch_size(batch_size: Any, records: int) -> float:
+    """The expected Poisson batch size ``b = qN`` as a float in ``(0, N]``; a bool (``True`` would read as 1),
+    a non-number, NaN or a size outside the range is refused."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)) or not (0 < batch_size <= records):
+        raise ValueError(f"batch_size (the expected Poisson batch size) must be a number in (0, N={records}], "
+                         f"got {batch_size!r}")
+    return float(batch_size)
 
 
 def poisson_threshold(sample_rate: float) -> int:

@@ -20,11 +20,12 @@ from torch.utils.data import Dataset
 
 from ..data.augment import ImageAugmentation
 from ..diagnostics.tightness import TightnessMonitor
-from ..privacy.accounting import check_delta
+from ..privacy.accounting import check_accounted_steps, check_delta
 from ..privacy.modules import LipschitzLoss, project_all_
 from ..privacy.distributed import world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label
+from ..privacy.sampling import expected_batch_size
 from .checkpoint import load_checkpoint, save_checkpoint
 from .evaluation import evaluate, predictions
 
@@ -111,8 +112,7 @@ class PrivateTrainer:
             raise ValueError("give epochs or target_epsilon: training would never stop")
         n = len(train_data)  # type: ignore[arg-type]
         check_delta(delta, n)
-        if isinstance(batch_size, bool) or not (isinstance(batch_size, (int, float)) and 0 < batch_size <= n):
-            raise ValueError(f"batch_size (the expected Poisson batch size) must be in (0, N={n}], got {batch_size!r}")
+        batch_size = expected_batch_size(batch_size, n)
         self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
         self.delta, self.target_epsilon, self.strategy = delta, target_epsilon, strategy
         self.device, self.progress, self.log = device, progress, log
@@ -364,15 +364,15 @@ class PrivateTrainer:
             raise ValueError(f"checkpoint {path} was written by a run of {saved_world} process(es), this run has "
                              f"{self.world_size}: resume with the same number of processes (the Poisson shards and "
                              "the sampling streams are per process)")
+        # Every check before anything is loaded: a refused checkpoint leaves this trainer as it was.
+        if self.averaged_model is not None and state.get("averaged_model") is None:
+            raise ValueError("checkpoint has no averaged model but this run averages iterates")
+        check_accounted_steps(accountant_state, state.get("steps"), path)
         self.module.load_state_dict(state["model"])
         if self.averaged_model is not None:
-            if state.get("averaged_model") is None:
-                raise ValueError("checkpoint has no averaged model but this run averages iterates")
             self.averaged_model.load_state_dict(state["averaged_model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.accountant.load_state_dict(state["accountant"])
-        if self.accountant.steps != state["steps"]:
-            raise ValueError("checkpoint accountant history does not match its step count")
         if self.rank == 0:  # the other ranks' streams were not saved: they continue from OS entropy (or their seed)
             self.sampling_generator.set_state(state["sampling_generator"])
             if self.augment_generator is not None and state.get("augment_generator") is not None:
