@@ -592,7 +592,8 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
 
     target = path or out_dir / "model.pt2"
     if target.is_dir():
-        raise SystemExit(f"clipless export: --out {target} is a directory; give a file name (e.g. {target / 'model.pt2'})")
+        raise SystemExit(f"clipless export: --out {target} is a directory; give a file name "
+                         f"(e.g. {target / 'model.pt2'})")
     state = load_checkpoint(out_dir / "checkpoint.pt")
     saved = state.get("run_config")
     if not saved:

@@ -425,6 +425,13 @@ def test_checkpoint_keeps_accountant(tmp_path) -> None:
     with pytest.raises(ValueError, match="composed .* steps but the run records"):
         fresh.load_checkpoint(tmp_path / "short.pt")
     assert fresh.steps == 0 and fresh.accountant.steps == 0
+    state = load_checkpoint(tmp_path / "c.pt")
+    state["encoder"] = {k: torch.zeros(v.shape[0] + 1) for k, v in state["encoder"].items()}
+    save_checkpoint(state, tmp_path / "other.pt")
+    before = [p.detach().clone() for p in fresh.encoder.parameters()]
+    with pytest.raises(ValueError, match="another encoder"):
+        fresh.load_checkpoint(tmp_path / "other.pt")
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.encoder.parameters()))
 
 
 def test_bad_input_errors() -> None:
@@ -752,7 +759,8 @@ def _scaling_slips():
 def test_hooks_on_parameters_do_not_reach_the_released_gradient(slip: str) -> None:
     """A hook on a weight scaled Logit-DP's released sum 58-fold: it is now taken at fresh leaves."""
     gen = torch.Generator().manual_seed(3)
-    xa, xb = torch.randn(6, 12, generator=gen, dtype=torch.float64), torch.randn(6, 12, generator=gen, dtype=torch.float64)
+    xa = torch.randn(6, 12, generator=gen, dtype=torch.float64)
+    xb = torch.randn(6, 12, generator=gen, dtype=torch.float64)
     clean = _mlp(2, act=nn.ReLU)
     logit_dp_gradient(clean, xa, xb, "contrastive", 1.0, 0.1)
     hooked = _mlp(2, act=nn.ReLU)

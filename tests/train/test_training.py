@@ -78,6 +78,15 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
     with pytest.raises(ValueError, match="composed .* steps but the run records"):
         fresh.load_checkpoint(tmp_path / "short.pt")
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters())) and fresh.accountant.steps == 0
+    # a checkpoint of another architecture is refused before any weight is copied (load_state_dict copies the
+    # matching entries before it reports the others)
+    state = load_checkpoint(tmp_path / "ckpt.pt")
+    last = [k for k, v in state["model"].items() if isinstance(v, torch.Tensor)][-1]
+    state["model"][last] = torch.zeros(state["model"][last].numel() + 1)
+    save_checkpoint(state, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="another model .*other shape"):
+        fresh.load_checkpoint(tmp_path / "other.pt")
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters()))
 
 
 def test_mnist_smoke(shared_data):

@@ -633,8 +633,8 @@ def _refuse_hooks(encoder: nn.Module) -> None:
 
 def _refuse_custom_functions(outputs: Sequence[torch.Tensor]) -> None:
     """The pair norms are those of ``J^T w`` for the autograd Jacobian ``J``; a custom ``autograd.Function``'s
-    backward need not be that linear map of its cotangent (it may scale large cotangents more), so the
-    released gradient could exceed its clip: refuse any in the graph of the embeddings."""
+    backward need not be that linear map of its cotangent (it may, say, act otherwise under ``vmap``, where the
+    norms are measured), so the released gradient could exceed its clip: refuse any in the embeddings' graph."""
     seen, stack = set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()

@@ -24,7 +24,7 @@ from ..privacy.noise import add_gaussian_noise_
 from ..privacy.distributed import world
 from ..privacy.randomness import make_generator, randomness_label
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
-from ..train.checkpoint import load_checkpoint, save_checkpoint
+from ..train.checkpoint import check_fits, load_checkpoint, save_checkpoint
 from .logit_dp import (
     LOSS_FUNCTIONS,
     logit_dp_gradient,
@@ -283,6 +283,7 @@ class ContrastivePretrainer:
                                  "with the same privacy configuration")
         if self.accountant is not None:
             check_accounted_steps(state["accountant"], state.get("steps"), path)
+        check_fits(self.encoder, state["encoder"], path, "encoder")
         self.encoder.load_state_dict(state["encoder"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.accountant is not None:

@@ -17,7 +17,7 @@ from typing import Any, Dict, Union
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "write_atomically"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "write_atomically", "check_fits"]
 
 MAGIC = b"clipless checkpoint v1\n"
 _DIGEST_LEN = 64  # hex sha256
@@ -72,3 +72,16 @@ def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> Dict[s
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} does not hold a training state")
     return state
+
+
+def check_fits(module: Any, saved: Dict[str, Any], path: Union[str, Path], what: str = "model") -> None:
+    """Refuse a saved ``state_dict`` whose names or shapes differ from ``module``'s before any of it is loaded
+    (``load_state_dict`` copies the matching entries before it reports the others)."""
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    reshaped = sorted(k for k in set(own) & set(saved)
+                      if getattr(saved[k], "shape", None) != getattr(own[k], "shape", None))
+    if missing or unexpected or reshaped:
+        detail = "; ".join(f"{label}: {', '.join(keys[:4])}" for label, keys in
+                           (("missing", missing), ("unexpected", unexpected), ("other shape", reshaped)) if keys)
+        raise CheckpointError(f"checkpoint {path} holds another {what} ({detail}): resume with the same architecture")

@@ -26,7 +26,7 @@ from ..privacy.distributed import world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label
 from ..privacy.sampling import expected_batch_size
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import check_fits, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, predictions
 
 __all__ = ["PrivateTrainer", "TrainResult"]
@@ -368,6 +368,9 @@ class PrivateTrainer:
         if self.averaged_model is not None and state.get("averaged_model") is None:
             raise ValueError("checkpoint has no averaged model but this run averages iterates")
         check_accounted_steps(accountant_state, state.get("steps"), path)
+        check_fits(self.module, state["model"], path)
+        if self.averaged_model is not None:
+            check_fits(self.averaged_model, state["averaged_model"], path, "averaged model")
         self.module.load_state_dict(state["model"])
         if self.averaged_model is not None:
             self.averaged_model.load_state_dict(state["averaged_model"])
