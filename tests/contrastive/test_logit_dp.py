@@ -10,6 +10,7 @@ from typing import Dict, Tuple
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from clipless.privacy.accounting import compute_epsilon
 from clipless.train.baselines import standard_cnn
@@ -901,3 +902,22 @@ def test_pretrainer_refuses_a_bad_expected_batch_size(batch_size) -> None:
     """``batch_size=True`` was accepted as 1 (a boolean is an int): q = 1/N accounted for a batch of 1."""
     with pytest.raises(ValueError, match="batch_size"):
         _trainer("logit_dp", batch_size=batch_size)
+
+
+@pytest.mark.parametrize("method", ["auto", "factored", "jacobian"])
+def test_an_instance_level_forward_is_refused(method: str) -> None:
+    """``encoder[0].forward`` replaced by the same values with 100x the gradient (``y + 99 (y - y.detach())``):
+    the factored path measured the class's Jacobian, and the release used the instance's: 62x the clean gradient."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+    lin = enc[0]
+
+    def amplified(x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, lin.weight, lin.bias)
+        return y + 99 * (y - y.detach())
+
+    lin.forward = amplified
+    gen = torch.Generator().manual_seed(9)
+    xa, xb = torch.randn(32, 12, generator=gen), torch.randn(32, 12, generator=gen)
+    with pytest.raises(ValueError, match="has its own forward"):
+        logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1, method=method)

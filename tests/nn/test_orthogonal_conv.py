@@ -134,7 +134,7 @@ def test_weight_ascent_does_not_break_the_parameter_bounds():
                                         create_graph=True)
             for (name, _), g in zip(params.items(), grads):
                 ratio = g.norm() / (g_out * factors[name])
-                worst = max(worst, float(ratio))
+                worst = max(worst, float(ratio.detach()))
                 objective = objective + ratio
         opt.zero_grad()
         (-objective).backward()

@@ -491,6 +491,52 @@ def test_hooks_that_change_outputs_refused():
     opt.step()
 
 
+class _Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return self.factor * x
+
+
+def _straight_through(module, factor):
+    """The same values, ``factor`` times the gradient: ``y + (factor - 1) (y - y.detach())``."""
+    forward = module.forward
+
+    def amplified(*args):
+        y = forward(*args)
+        return y + (factor - 1) * (y - y.detach())
+    module.forward = amplified
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m.insert(3, nn.Sequential(_Scale(2.0))),  # a 2x layer, unchecked: released before
+    lambda m: m.__setitem__(3, _Scale(2.0)),  # MaxMin replaced
+    lambda m: m.__setitem__(3, cl.MaxMin()),  # another instance of a bounded layer
+    lambda m: m.append(nn.Flatten()),  # even a harmless layer: the bounds were set up for the old list
+    lambda m: _straight_through(m[3], 2.0),  # an instance-level forward: same values, 2x gradient
+    lambda m: _straight_through(m, 2.0),
+    lambda m: m[3].compile(),
+])
+def test_layers_changed_after_make_private_refused(edit):
+    """The bounds are set up for the layers make_private saw. A 2x layer put in place of MaxMin or appended, or
+    a 2x instance-level forward, was released before: the summed-gradient check (a necessary condition) let it
+    through on a real batch. Here the batch is empty, so only the structural check can refuse."""
+    _, model, opt, _ = _engine_setup()
+    edit(model)
+    with pytest.raises(BoundError, match="changed after its bounds|its own"):
+        empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
+        opt.step()
+
+
+def test_instance_forward_refused_at_make_private():
+    model = _model()
+    _straight_through(model[2], 2.0)
+    with pytest.raises(BoundError, match="its own forward"):
+        _engine_setup(module=model)
+
+
 # --------------------------------------------------------------------------------------------------
 # Finding 6: no layer acts on the batch axis
 # --------------------------------------------------------------------------------------------------

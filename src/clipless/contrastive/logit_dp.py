@@ -25,7 +25,8 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.utils import _pair
 
-from ..privacy.input_guard import global_hooks_registered, module_hooks, saved_tensor_hooks_active
+from ..privacy.input_guard import (global_hooks_registered, module_hooks, replaced_forward,
+                                   saved_tensor_hooks_active)
 
 __all__ = [
     "CONTRASTIVE_LOSSES",
@@ -617,8 +618,8 @@ def _jacobian_terms_all_parameters(encoder: nn.Module, xa: torch.Tensor, xb: tor
 
 def _refuse_hooks(encoder: nn.Module) -> None:
     """Hooks may change the backward (module backward hooks, saved-tensor hooks) or the forward between the pass
-    that measures the pair norms and the one that differentiates them: either would release a pair gradient
-    larger than its clip."""
+    that measures the pair norms and the one that differentiates them, and a forward set on a module instance
+    is not the one the factored path differentiates: each would release a pair gradient larger than its clip."""
     if global_hooks_registered():
         raise ValueError("global module hooks (torch.nn.modules.module.register_module_*) are registered: "
                          "they could change the gradient after its pair norms were clipped; remove them")
@@ -626,6 +627,11 @@ def _refuse_hooks(encoder: nn.Module) -> None:
         if module_hooks(m):
             raise ValueError(f"layer {name or 'encoder'} ({type(m).__name__}) has a forward or backward hook: "
                              "it could change the gradient after its pair norms were clipped; remove it")
+        replaced = replaced_forward(m)
+        if replaced:  # the factored path computes the class's Jacobian, the release would use the instance's
+            raise ValueError(f"layer {name or 'encoder'} ({type(m).__name__}) has its own {replaced} (set on the "
+                             "instance, e.g. module.forward = ... or module.compile()): its pair norms would be "
+                             "measured for its class's forward; use a module class that computes it")
     if saved_tensor_hooks_active():
         raise ValueError("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, torch.utils.checkpoint) "
                          "are active: the backward might not use the forward's values; run outside them")

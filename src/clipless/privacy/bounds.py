@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .certified import BoundError
-from .input_guard import global_hooks_registered, module_hooks
+from .input_guard import global_hooks_registered, module_hooks, replaced_forward
 from .modules import BoundedModule, LayerBound, Residual
 
 __all__ = ["LayerSensitivity", "BoundReport", "BoundEngine"]
@@ -111,7 +111,7 @@ class BoundEngine:
         self.input_bound = float(input_bound)
         self._names = {id(m): n for n, m in model.named_modules()}
         self._leaves: List[nn.Module] = []
-        self._collect_leaves(model)
+        self._collect_leaves(model, self._leaves)
         self._check_parameters_covered()
         self._check_known_forwards()
         self._in_shapes, self.output_shape = self._probe_shapes()
@@ -133,7 +133,7 @@ class BoundEngine:
         return float(value)
 
     # -- validation -------------------------------------------------------
-    def _collect_leaves(self, module: nn.Module) -> None:
+    def _collect_leaves(self, module: nn.Module, leaves: List[nn.Module]) -> None:
         residual = Residual
         name = self._names.get(id(module), "?") or "<model>"
         if isinstance(module, (nn.Sequential, residual)):
@@ -143,17 +143,17 @@ class BoundEngine:
                                  "bound engine only knows the forward it analyses; use a plain container")
             if isinstance(module, nn.Sequential):
                 for child in module:
-                    self._collect_leaves(child)
+                    self._collect_leaves(child, leaves)
             else:
-                self._collect_leaves(module.branch)  # type: ignore[attr-defined]
-                self._add_leaf(module)
+                self._collect_leaves(module.branch, leaves)  # type: ignore[attr-defined]
+                self._add_leaf(module, leaves)
             return
         if isinstance(module, BoundedModule):
             _check_forward_matches_bounds(type(module), name)
-            self._add_leaf(module)
+            self._add_leaf(module, leaves)
             return
         if type(module) in _PARAMETER_FREE_1LIP:
-            self._add_leaf(module)
+            self._add_leaf(module, leaves)
             return
         raise BoundError(
             f"layer '{name}' ({type(module).__name__}) declares no Lipschitz/gradient bounds; "
@@ -161,13 +161,13 @@ class BoundEngine:
             "clipless.BoundedModule and implement layer_bound()"
         )
 
-    def _add_leaf(self, module: nn.Module) -> None:
-        if any(m is module for m in self._leaves):
+    def _add_leaf(self, module: nn.Module, leaves: List[nn.Module]) -> None:
+        if any(m is module for m in leaves):
             raise BoundError(
                 f"module '{self._names.get(id(module), '?')}' is used twice; shared weights "
                 "are not supported by the bound engine"
             )
-        self._leaves.append(module)
+        leaves.append(module)
 
     def _check_known_forwards(self) -> None:
         """Hooks can change what a module computes or back-propagates: refuse every hook but the input guard."""
@@ -175,10 +175,30 @@ class BoundEngine:
             raise BoundError("global module hooks are registered: they could change the outputs the bounds describe")
         for module in self.model.modules():
             hooks = module_hooks(module)
+            name = self._names.get(id(module), "?") or "<model>"
             if hooks:
-                name = self._names.get(id(module), "?") or "<model>"
                 raise BoundError(f"module '{name}' has hooks ({len(hooks)}) that may change its outputs or gradients; "
                                  "remove them before making the model private")
+            replaced = replaced_forward(module)
+            if replaced:
+                raise BoundError(f"module '{name}' ({type(module).__name__}) has its own {replaced} (set on the "
+                                 "instance, e.g. module.forward = ... or module.compile()): the bounds describe its "
+                                 "class's forward; use a layer class that declares bounds for what it computes")
+
+    def _check_same_layers(self) -> None:
+        """The layers the bounds were set up for are still the model's, in the same places: a layer added,
+        removed or replaced after construction (``model.insert``, ``model[2] = ...``) was never checked and
+        would be read with another layer's bound."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        try:
+            current: List[nn.Module] = []
+            self._collect_leaves(self.model, current)
+        except BoundError as err:
+            raise BoundError(f"the model changed after its bounds were set up: {err}") from err
+        if len(current) != len(self._leaves) or any(a is not b for a, b in zip(current, self._leaves)) or any(
+                names.get(id(m)) != self._names.get(id(m)) for m in current):
+            raise BoundError("the model's layers changed after its bounds were set up (a layer added, removed, "
+                             "replaced or moved): the new layers carry no certified bound; call make_private again")
 
     def _check_parameters_covered(self) -> None:
         residual = Residual
@@ -224,8 +244,10 @@ class BoundEngine:
             return cached
         if isinstance(module, BoundedModule):
             lb = module.layer_bound(x_bound, self._in_shapes[id(module)])
-        else:  # parameter-free 1-Lipschitz torch layer
+        elif type(module) in _PARAMETER_FREE_1LIP:
             lb = LayerBound(lipschitz=1.0, out_bound=x_bound)
+        else:  # unreachable after _check_same_layers; kept so that no unknown layer is ever read as 1-Lipschitz
+            raise BoundError(f"layer {type(module).__name__} declares no bounds")
         for value in (lb.lipschitz, lb.out_bound, *lb.param_factors.values()):
             if not (value >= 0 and math.isfinite(value)):
                 raise BoundError(f"layer '{self._names[id(module)]}' declared an invalid bound {value}")
@@ -281,6 +303,7 @@ class BoundEngine:
     def compute(self) -> BoundReport:
         """Certified per-layer per-example gradient bounds for the current weights."""
         self._check_known_forwards()  # hooks added after construction would change the analysed function
+        self._check_same_layers()
         self._cache: Dict[Tuple[int, float], LayerBound] = {}
         layers: List[LayerSensitivity] = []
         output_bound = self._out_bound(self.model, self.input_bound)

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .certified import BoundError
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
-           "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active"]
+           "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -95,6 +95,16 @@ def global_hooks_registered() -> bool:
 
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
                 or _module._global_backward_pre_hooks)
+
+
+# What nn.Module.__call__ reads through the instance: one set on it replaces the class's forward.
+_CALL_ATTRIBUTES = ("forward", "_call_impl", "_wrapped_call_impl", "_compiled_call_impl")
+
+
+def replaced_forward(module: nn.Module) -> Optional[str]:
+    """The name of the call attribute set on ``module`` itself (``module.forward = ...``, ``module.compile()``),
+    or ``None``: bounds and factored gradients describe the class's forward."""
+    return next((k for k in _CALL_ATTRIBUTES if module.__dict__.get(k) is not None), None)
 
 
 def saved_tensor_hooks_active() -> bool:
