@@ -204,7 +204,10 @@ def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
         assert len(r["kl_curve_mean"]) == 4 and np.all(np.diff(r["kl_curve_mean"]) >= 0)
         assert r["kl_short"] <= r["kl"] and r["advantage_bound"] <= 1
     assert set(study["summary"]["width"]) == {"lecun", "he"}
-    assert "membership attacks within the KL advantage bound" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "membership attacks within the KL advantage bound" in printed
+    # computed from the training records without noise: labelled so in the file and on screen
+    assert study["private"] is False and "non-private" in study["privacy_note"] and "non-private study" in printed
 
 
 @pytest.mark.parametrize("flags, match", [

@@ -25,6 +25,12 @@ from ..privacy.distributed import world
 from . import noisy_gd as klp
 
 
+# The study measures the mechanism on its training records: every number it writes is computed from them
+# without noise of its own.
+NON_PRIVATE_NOTE = ("non-private study: the KL curves, losses, accuracies and attack scores are computed from the "
+                    "training records without noise; do not publish them as a private release")
+
+
 @dataclass
 class KLStudyConfig:
     data_dir: str
@@ -187,7 +193,8 @@ def run_kl_study(cfg: KLStudyConfig) -> Dict[str, Any]:
     summary["all_attacks_within_bound"] = all(r["attack_within_bound"] for r in results)
     config = asdict(cfg)
     return {"config": config, "n_train": cfg.n_train, "n_heldout": cfg.n_heldout, "results": results,
-            "summary": summary, "wall_time_s": time.time() - started}
+            "summary": summary, "wall_time_s": time.time() - started, "private": False,
+            "privacy_note": NON_PRIVATE_NOTE}
 
 
 def plot_kl_study(study: Dict[str, Any], out_dir: Path) -> List[Path]:
@@ -256,6 +263,7 @@ def format_summary(study: Dict[str, Any]) -> str:
                      f"{r['sigma']:>6.3g} "
                      f"{r['kl']:>10.4g} {r['kl_short']:>10.4g} {r['advantage_bound']:>9.3f} {adv:>10.3f} {acc:>8.4f}")
     s = study["summary"]
+    lines.append(NON_PRIVATE_NOTE)
     lines.append(f"eta {cfg['eta']}, sigma {cfg['sigma']}, {cfg['steps']} steps, {cfg['runs']} runs, "
                  f"n_train {cfg['n_train']}, n_heldout {cfg['n_heldout']}, {study['wall_time_s']:.0f}s")
     lines.append("KL vs width: " + ", ".join(f"{i} {s['width'][i]['trend']}" for i in cfg["inits"]))
