@@ -63,6 +63,9 @@ def _train(out, *extra):
      "--layer-noise is an option of clipless training"),
     (["--noise-multiplier", "0.01"], "noise multiplier 0.01 is below 0.2 .* use the rdp accountant"),
     (["--conv", "orthogonal"], "--conv orthogonal applies to the cnn, vgg and resnet models, not mlp"),
+    (["--model", "cnn", "--channels"], "--channels: the cnn needs at least one width"),  # trained a head alone
+    (["--model", "mixer", "--channels"], "--channels: the mixer needs at least one width"),  # an IndexError
+    (["--model", "cnn", "--channels", "--method", "dpsgd"], "--channels: the cnn needs at least one width"),
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"
@@ -151,6 +154,11 @@ def test_one_dimensional_tabular_features_refused(tmp_path):
     path = _npz(tmp_path, np.arange(50.0), np.arange(50) % 2)
     _refused(["train", "--dataset", str(path), "--input-clip", "1", *FAST, "--output-dir", str(tmp_path / "o")],
              r"X of table.npz must be 2-D \(records x features\), got shape \(50,\)")
+
+
+def test_pretrain_cnn_without_channels_refused(tmp_path):
+    _refused(["pretrain", "--encoder", "cnn", "--channels", "--no-progress", "--output-dir", str(tmp_path / "p")],
+             "channels: the cnn needs at least one")
 
 
 def test_kl_to_delta_is_clamped_and_vacuity_said():

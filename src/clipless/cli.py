@@ -560,6 +560,8 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         if used and config["method"] != "clipless":
             raise SystemExit(f"{flag} is an option of clipless training, not of --method {config['method']}")
     _layer_noise(config)  # refuses an allocation without --strategy per_layer before any data is read
+    if config["model"] != "mlp" and not config["channels"]:
+        raise SystemExit(f"--channels: the {config['model']} needs at least one width, got none")
     data, shape, seed = _prepare_data(config)
     if config["method"] != "clipless":
         return run_baseline(config, data, seed)

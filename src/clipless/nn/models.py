@@ -120,6 +120,11 @@ def _conv(c_in: int, c_out: int, kernel_size: int, conv: str, operator_norm: str
     return LipschitzConv2d(c_in, c_out, kernel_size, projection=projection, operator_norm=operator_norm)
 
 
+def _check_channels(channels: Sequence[int], model: str) -> None:
+    if len(channels) == 0:
+        raise ValueError(f"channels: the {model} needs at least one convolution width, got none")
+
+
 def lipschitz_cnn(
     input_shape: Sequence[int],
     num_classes: int,
@@ -139,6 +144,7 @@ def lipschitz_cnn(
     Convolutions use the exact FFT operator-norm bound by default (``operator_norm='reshaped'``
     for the looser ``sqrt(s) ||W_mat||`` bound); ``conv='orthogonal'`` makes them orthogonal (BCOP).
     """
+    _check_channels(channels, "cnn")
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
         layers += [_conv(c, ch, kernel_size, conv, operator_norm, projection), _activation(activation)]
@@ -167,6 +173,7 @@ def lipschitz_vgg(
     Every conv has operator norm <= 1 (certified, FFT bound by default), GroupSort
     and L2-norm pooling are 1-Lipschitz, so the product rule gives ``l <= 1``.
     """
+    _check_channels(channels, "vgg")
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
         for _ in range(convs_per_stage):
@@ -197,6 +204,7 @@ def lipschitz_resnet(
     The bound engine treats each block as split + merge: ``l <= 1/2 + l_h/2 <= 1``
     and parameters inside ``h`` see the gradient bound ``G/2`` (spec §2).
     """
+    _check_channels(channels, "resnet")
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
         layers += [_conv(c, ch, kernel_size, conv, operator_norm), _activation(activation)]

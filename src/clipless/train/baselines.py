@@ -45,6 +45,8 @@ def standard_mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[
 def standard_cnn(input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (16, 32),
                  hidden: Sequence[int] = (), kernel_size: int = 3, pool: int = 2) -> nn.Sequential:
     """``(Conv -> ReLU -> AvgPool)* -> Flatten -> Linear``: the counterpart of :func:`~clipless.lipschitz_cnn`."""
+    if len(channels) == 0:
+        raise ValueError("channels: the cnn needs at least one convolution width, got none")
     c, h, w = input_shape
     layers: List[nn.Module] = []
     for ch in channels:
