@@ -921,3 +921,21 @@ def test_an_instance_level_forward_is_refused(method: str) -> None:
     xa, xb = torch.randn(32, 12, generator=gen), torch.randn(32, 12, generator=gen)
     with pytest.raises(ValueError, match="has its own forward"):
         logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1, method=method)
+
+
+def test_non_finite_views_and_overflowing_encoders_refused_clearly() -> None:
+    """NaN views were reported as an encoder whose forward changed between passes; an encoder overflowing to
+    inf embeddings gave NaN clip factors."""
+    enc = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+    good = torch.randn(4, 12)
+    for bad_value in (float("nan"), float("inf")):
+        bad = good.clone()
+        bad[2, 5] = bad_value
+        with pytest.raises(ValueError, match="second views contain NaN or infinite"):
+            logit_dp_gradient(enc, good, bad, "contrastive", 1.0, 1.0)
+    overflow = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 4))
+    with torch.no_grad():
+        overflow[0].weight.mul_(1e36)
+        overflow[1].weight.mul_(1e36)
+    with pytest.raises(ValueError, match="NaN or infinite .*overflow"):
+        logit_dp_gradient(overflow, good, good, "contrastive", 1.0, 1.0)

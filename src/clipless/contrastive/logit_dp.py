@@ -583,12 +583,20 @@ def _check_per_example(encoder: nn.Module) -> None:
                              "measured on a different function than the one differentiated; remove dropout")
 
 
-def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: str, block: int, chunk: int):
-    _check_per_example(encoder)
+def _check_pairs(xa: torch.Tensor, xb: torch.Tensor, method: str) -> None:
     if xa.shape != xb.shape:
         raise ValueError(f"pair sides differ in shape: {tuple(xa.shape)} vs {tuple(xb.shape)}")
     if method not in ("auto", "factored", "jacobian"):
         raise ValueError(f"method must be auto, factored or jacobian, got {method!r}")
+    for side, x in (("first", xa), ("second", xb)):
+        if x.is_floating_point() and not torch.isfinite(x).all():
+            raise ValueError(f"the {side} views contain NaN or infinite values: no pair norm can be bounded; "
+                             "clean the data")
+
+
+def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: str, block: int, chunk: int):
+    _check_per_example(encoder)
+    _check_pairs(xa, xb, method)
     if method in ("auto", "factored"):
         fac_a = _layer_factors(encoder, xa, chunk)
         fac_b = _layer_factors(encoder, xb, chunk) if fac_a is not None else None
@@ -703,6 +711,7 @@ def logit_dp_gradient(
         raise ValueError(f"clip norm B must be positive, got {clip_norm}")
     _refuse_hooks(encoder)
     _check_per_example(encoder)
+    _check_pairs(xa, xb, method)
     params = _cleared_params(encoder)
     if xa.shape[0] == 0:
         _fill_missing_grads(params)
@@ -715,6 +724,9 @@ def logit_dp_gradient(
     leaves = {k: p.detach().requires_grad_() for k, p in encoder.named_parameters() if p.requires_grad}
     u = F.normalize(functional_call(encoder, leaves, (xa,)), dim=1)
     v = F.normalize(functional_call(encoder, leaves, (xb,)), dim=1)
+    if not (torch.isfinite(u).all() and torch.isfinite(v).all() and torch.isfinite(factor).all()):
+        raise ValueError("the encoder's embeddings or their pair gradient norms are NaN or infinite (an overflow in "
+                         "the encoder): no pair gradient can be clipped; rescale the inputs or the weights")
     # A forward that is not a function of its input alone (state, randomness) would release the gradient of
     # another function than the one whose pair norms were clipped.
     for side, now, then in (("first", u, u_measured), ("second", v, v_measured)):
