@@ -188,3 +188,13 @@ def test_bad_expected_batch_size_refused_by_make_private_and_the_trainer(batch_s
                                         input_shape=SHAPE, batch_size=batch_size)
     with pytest.raises(ValueError, match="batch_size"):
         trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data, batch_size=batch_size)
+
+
+def test_empty_training_set_named() -> None:
+    """An empty dataset read as a batch size outside (0, N=0]."""
+    empty = cl.ArrayDataset(torch.rand(0, *SHAPE), torch.zeros(0, dtype=torch.long))
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match="training dataset is empty"):
+        cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=empty, loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
+                                        input_shape=SHAPE, batch_size=8.0)

@@ -24,6 +24,8 @@ SAMPLING_BITS = 53
 def expected_batch_size(batch_size: Any, records: int) -> float:
     """The expected Poisson batch size ``b = qN`` as a float in ``(0, N]``; a bool (``True`` would read as 1),
     a non-number, NaN or a size outside the range is refused."""
+    if records < 1:
+        raise ValueError("the training dataset is empty: there is nothing to sample batches from")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)) or not (0 < batch_size <= records):
         raise ValueError(f"batch_size (the expected Poisson batch size) must be a number in (0, N={records}], "
                          f"got {batch_size!r}")
