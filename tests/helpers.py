@@ -163,7 +163,7 @@ def capture_released(dp_optimizer):
     released = []
     dp_optimizer.original_optimizer.register_step_pre_hook(
         lambda opt, args, kwargs: released.append(
-            {id(p): p.grad.detach().clone() for g in opt.param_groups for p in g["params"]}))
+            {id(p): p.grad.detach().clone() for g in opt.param_groups for p in g["params"] if p.grad is not None}))
     return released
 
 

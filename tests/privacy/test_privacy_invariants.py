@@ -530,6 +530,62 @@ def test_layers_changed_after_make_private_refused(edit):
         opt.step()
 
 
+def _two_square_layers():
+    torch.manual_seed(0)
+    return nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(8, 8), cl.MaxMin(), cl.LipschitzLinear(8, 8),
+                         cl.MaxMin(), cl.LipschitzLinear(8, 3))
+
+
+def _private(model):
+    data = cl.ArrayDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    return cl.PrivacyEngine("rdp").make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                                data=data, loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
+                                                input_shape=(8,), batch_size=8.0)
+
+
+def test_parameters_shared_between_layers_refused():
+    """A weight tied between two layers has the sum of both layers' terms as its gradient, but was bounded and
+    noised as two blocks (the second noise pass divided the gradient by b again: b^2 in all)."""
+    model = _two_square_layers()
+    model[3].weight = model[1].weight
+    with pytest.raises(BoundError, match="share a parameter"):
+        _private(model)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: setattr(m[3], "weight", m[1].weight),  # tied after make_private
+    lambda m: setattr(m[3], "weight", nn.Parameter(m[3].weight.detach().clone())),  # a new, unstepped weight
+])
+def test_parameters_replaced_or_tied_after_make_private_refused(edit):
+    model, opt, loader = _private(_two_square_layers())
+    edit(model)
+    x, y = next(iter(loader))
+    cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+    with pytest.raises(BoundError, match="replaced or shared"):
+        opt.step()
+    assert opt.accountant.steps == 0
+
+
+def test_weight_frozen_between_backward_and_step_refused():
+    """The frozen weight kept its summed gradient, got no noise (the bounds skip frozen weights) and the
+    optimizer applied it: the raw gradient was released."""
+    model, opt, loader = _private(_two_square_layers())
+    released = capture_released(opt)
+    batches = iter(loader)
+    x, y = next(batches)
+    cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+    model[1].weight.requires_grad_(False)
+    with pytest.raises(BoundError, match="receives no noise"):
+        opt.step()
+    assert not released and opt.accountant.steps == 0
+    # frozen before the forward: it gets no gradient and the step is released
+    opt.zero_grad()
+    x, y = next(batches)
+    cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+    opt.step()
+    assert len(released) == 1 and model[1].weight.grad is None and opt.accountant.steps == 1
+
+
 def test_instance_forward_refused_at_make_private():
     model = _model()
     _straight_through(model[2], 2.0)

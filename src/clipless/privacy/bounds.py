@@ -202,14 +202,18 @@ class BoundEngine:
 
     def _check_parameters_covered(self) -> None:
         residual = Residual
-        covered = set()
+        covered: Dict[int, str] = {}
         for leaf in self._leaves:
             if isinstance(leaf, residual):
                 continue
             own = dict(leaf.named_parameters(recurse=False))
             if not isinstance(leaf, BoundedModule) and own:
                 raise BoundError(f"layer '{self._names[id(leaf)]}' has parameters but no declared bounds")
-            covered.update(id(p) for p in own.values())
+            for p in own.values():
+                if id(p) in covered:  # its gradient sums two layers' terms, bounded as separate blocks
+                    raise BoundError(f"layers '{covered[id(p)]}' and '{self._names[id(leaf)]}' share a parameter: "
+                                     "shared weights are not supported by the bound engine")
+                covered[id(p)] = self._names[id(leaf)]
         for name, param in self.model.named_parameters():
             if param.requires_grad and id(param) not in covered:
                 raise BoundError(f"trainable parameter '{name}' is not covered by any declared bound")

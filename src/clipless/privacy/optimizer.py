@@ -144,6 +144,18 @@ class DPOptimizer:
         """Check the gradients, add the planned noise, step, project, account, and start the next step."""
         self.guard.check_step(params)
         report = self.bound_engine.compute()
+        bounded = [id(p) for layer in report.layers for p in layer.params]
+        if len(bounded) != len(set(bounded)) or not set(bounded) <= self._bounded:
+            raise BoundError("a parameter of the model was replaced or shared between layers after make_private: "
+                             "the optimizer would not step it, or its gradient would sum two separately bounded "
+                             "blocks; call make_private again")
+        # The noise goes to the report's parameters; the optimizer steps every parameter that has a gradient,
+        # frozen or not (a weight frozen between the backward and step() kept its summed gradient).
+        noised = set(bounded)
+        if any(p.grad is not None and id(p) not in noised for p in params):
+            raise BoundError("a parameter that receives no noise this step (frozen with requires_grad_(False) "
+                             "after the backward) has a gradient: the optimizer would apply it without noise; "
+                             "freeze parameters before the forward, or set their .grad to None")
         self.guard.check_sums(report)
         self.last_report = report
         if self.world_size == 1:
