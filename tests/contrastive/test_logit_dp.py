@@ -744,6 +744,12 @@ def test_build_encoder_kinds() -> None:
         build_encoder("resnet", (1, 8, 8), 5)
 
 
+def _views(seed: int, n: int, dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two ``(n, 12)`` Gaussian batches of views from a seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 12, generator=gen, dtype=dtype), torch.randn(n, 12, generator=gen, dtype=dtype)
+
+
 def _scaling_slips():
     """Ways to make the backward of the released pass differ from the function whose pair norms were clipped."""
 
@@ -759,9 +765,7 @@ def _scaling_slips():
 @pytest.mark.parametrize("slip", sorted(_scaling_slips()))
 def test_hooks_on_parameters_do_not_reach_the_released_gradient(slip: str) -> None:
     """A hook on a weight scaled Logit-DP's released sum 58-fold: it is now taken at fresh leaves."""
-    gen = torch.Generator().manual_seed(3)
-    xa = torch.randn(6, 12, generator=gen, dtype=torch.float64)
-    xb = torch.randn(6, 12, generator=gen, dtype=torch.float64)
+    xa, xb = _views(3, 6)
     clean = _mlp(2, act=nn.ReLU)
     logit_dp_gradient(clean, xa, xb, "contrastive", 1.0, 0.1)
     hooked = _mlp(2, act=nn.ReLU)
@@ -790,9 +794,7 @@ def _refused_slips():
 
 @pytest.mark.parametrize("slip", sorted(_refused_slips()))
 def test_hooks_that_could_change_the_backward_are_refused(slip: str) -> None:
-    gen = torch.Generator().manual_seed(4)
-    xa = torch.randn(4, 12, generator=gen, dtype=torch.float64)
-    xb = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xa, xb = _views(4, 4)
     enc = _mlp(5, act=nn.ReLU)
     handle = _refused_slips()[slip](enc)
     try:
@@ -805,9 +807,7 @@ def test_hooks_that_could_change_the_backward_are_refused(slip: str) -> None:
 
 
 def test_saved_tensor_hooks_refused_and_save_on_cpu_accepted() -> None:
-    gen = torch.Generator().manual_seed(5)
-    xa = torch.randn(4, 12, generator=gen, dtype=torch.float64)
-    xb = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xa, xb = _views(5, 4)
     enc = _mlp(6, act=nn.ReLU)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: 100 * t, lambda t: t):
         with pytest.raises(ValueError, match="saved-tensor hooks"):
@@ -833,9 +833,7 @@ def test_a_forward_that_changes_between_passes_is_refused() -> None:
             self.calls += 1
             return self.lin(x * (100.0 if self.calls > 2 else 1.0))
 
-    gen = torch.Generator().manual_seed(6)
-    xa = torch.randn(4, 12, generator=gen, dtype=torch.float64)
-    xb = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    xa, xb = _views(6, 4)
     with pytest.raises(ValueError, match="changed between the pass that measured"):
         logit_dp_gradient(Drifting(), xa, xb, "contrastive", 1.0, 0.1)
 
@@ -869,9 +867,7 @@ def test_a_custom_autograd_function_in_the_encoder_is_refused(method: str) -> No
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.second(_ScalesOutsideVmap.apply(torch.tanh(self.first(x))))
 
-    gen = torch.Generator().manual_seed(7)
-    xa = torch.randn(64, 12, generator=gen, dtype=torch.float64)
-    xb = torch.randn(64, 12, generator=gen, dtype=torch.float64)
+    xa, xb = _views(7, 64)
     with pytest.raises(ValueError, match="custom torch.autograd.Function _ScalesOutsideVmap"):
         logit_dp_gradient(Encoder(), xa, xb, "contrastive", 1.0, 0.1, method=method)
 
@@ -890,9 +886,7 @@ def test_a_custom_function_used_for_some_inputs_only_is_refused_in_the_released_
                 out = _ScalesOutsideVmap.apply(out)
             return out
 
-    gen = torch.Generator().manual_seed(8)
-    xa = torch.randn(8, 12, generator=gen, dtype=torch.float64)
-    xb = torch.randn(8, 12, generator=gen, dtype=torch.float64)
+    xa, xb = _views(8, 8)
     with pytest.raises(ValueError, match="custom torch.autograd.Function"):
         logit_dp_gradient(Encoder(), xa, xb, "contrastive", 1.0, 0.1, method="jacobian")
 
@@ -917,8 +911,7 @@ def test_an_instance_level_forward_is_refused(method: str) -> None:
         return y + 99 * (y - y.detach())
 
     lin.forward = amplified
-    gen = torch.Generator().manual_seed(9)
-    xa, xb = torch.randn(32, 12, generator=gen), torch.randn(32, 12, generator=gen)
+    xa, xb = _views(9, 32, torch.float32)
     with pytest.raises(ValueError, match="has its own forward"):
         logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 0.1, method=method)
 
