@@ -17,11 +17,10 @@ Meanings, the same everywhere:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from .accounting import (
@@ -65,8 +64,8 @@ class NoisePlan:
         object.__setattr__(self, "layer_sigmas", types.MappingProxyType(dict(self.layer_sigmas)))
 
     def __reduce__(self):  # a mappingproxy does not pickle; the plan does (checkpoints, deepcopy)
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return (_rebuild_plan, (dict(fields, layer_sigmas=dict(self.layer_sigmas)),))
+        values = (getattr(self, f.name) for f in fields(self))
+        return (NoisePlan, tuple(dict(v) if isinstance(v, types.MappingProxyType) else v for v in values))
 
     def check_budget(self, steps_taken: int) -> None:
         """Refuse a step past the budget (every private step of the library calls this before releasing noise)."""
@@ -78,10 +77,6 @@ class NoisePlan:
     def account_step(self, accountant: Any) -> None:
         """Record one released step of this plan's mechanism at its sample rate."""
         accountant.step(self.step_sigma, self.sample_rate)
-
-
-def _rebuild_plan(fields: Dict[str, Any]) -> NoisePlan:
-    return NoisePlan(**fields)
 
 
 def planned_steps(epochs: object, steps_per_epoch: int) -> int:
