@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from ..nn.models import _check_channels, build_optimizer
+from ..nn.models import build_optimizer
 from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.randomness import make_generator, randomness_label
@@ -45,7 +45,8 @@ def standard_mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[
 def standard_cnn(input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (16, 32),
                  hidden: Sequence[int] = (), kernel_size: int = 3, pool: int = 2) -> nn.Sequential:
     """``(Conv -> ReLU -> AvgPool)* -> Flatten -> Linear``: the counterpart of :func:`~clipless.lipschitz_cnn`."""
-    _check_channels(channels, "cnn")
+    if len(channels) == 0:
+        raise ValueError("channels: the cnn needs at least one convolution width, got none")
     c, h, w = input_shape
     layers: List[nn.Module] = []
     for ch in channels:
