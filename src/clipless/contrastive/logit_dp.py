@@ -720,7 +720,6 @@ def logit_dp_gradient(
     factor, u_measured, v_measured = _clip_factors(encoder, xa, xb, clip_norm, method, block)
     # The released gradient is taken at fresh leaves: hooks put on the parameters themselves (which no one
     # can list) never see it, so it is exactly sum_ij lambda_ij grad Z_ij.
-    names = [k for k, p in encoder.named_parameters() if p.requires_grad]
     leaves = {k: p.detach().requires_grad_() for k, p in encoder.named_parameters() if p.requires_grad}
     u = F.normalize(functional_call(encoder, leaves, (xa,)), dim=1)
     v = F.normalize(functional_call(encoder, leaves, (xb,)), dim=1)
@@ -738,7 +737,7 @@ def logit_dp_gradient(
     z = similarity_logits(u, v, tau)
     a = logit_gradient(z, loss)
     weights = (a.double() * factor).to(z.dtype)
-    grads = torch.autograd.grad((weights * z).sum(), [leaves[k] for k in names], allow_unused=True)
+    grads = torch.autograd.grad((weights * z).sum(), list(leaves.values()), allow_unused=True)
     for p, g in zip(params, grads):
         p.grad = g
     _fill_missing_grads(params)

@@ -145,13 +145,13 @@ class DPOptimizer:
         self.guard.check_step(params)
         report = self.bound_engine.compute()
         bounded = [id(p) for layer in report.layers for p in layer.params]
-        if len(bounded) != len(set(bounded)) or not set(bounded) <= self._bounded:
+        noised = set(bounded)
+        if len(bounded) != len(noised) or not noised <= self._bounded:
             raise BoundError("a parameter of the model was replaced or shared between layers after make_private: "
                              "the optimizer would not step it, or its gradient would sum two separately bounded "
                              "blocks; call make_private again")
         # The noise goes to the report's parameters; the optimizer steps every parameter that has a gradient,
         # frozen or not (a weight frozen between the backward and step() kept its summed gradient).
-        noised = set(bounded)
         if any(p.grad is not None and id(p) not in noised for p in params):
             raise BoundError("a parameter that receives no noise this step (frozen with requires_grad_(False) "
                              "after the backward) has a gradient: the optimizer would apply it without noise; "
