@@ -12,6 +12,7 @@ median step time of rank 0 after warm-up; the all-reduce of the noisy gradient s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -70,6 +71,8 @@ def _worker(rank: int, size: int, args: argparse.Namespace, init: str, out: str)
         Path(out).write_text(json.dumps({"median_s": statistics.median(times), "local_examples": examples,
                                          "threads": threads}))
     if size > 1:
+        del ddp, opt, loader
+        gc.collect()  # a DistributedDataParallel that outlives its group now and then aborts the process at exit
         torch.distributed.destroy_process_group()
 
 

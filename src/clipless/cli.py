@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import sys
@@ -854,6 +855,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"clipless {args.command}: {' '.join(str(err).split())}") from None
     finally:
         if started and torch.distributed.is_initialized():
+            # a DistributedDataParallel kept alive by a reference cycle would outlive its group and now and then
+            # abort the process at exit (SIGABRT): collect it first
+            gc.collect()
             torch.distributed.destroy_process_group()
 
 

@@ -3,6 +3,7 @@ the single-process sum, identical weights, refused mismatches, and ``torchrun -m
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -58,84 +59,93 @@ def _worker(rank: int, size: int, init: str, out: str, scenario: str) -> None:
     torch.set_num_threads(1)
     result = {}
     try:
-        x, y = _data()
-        if scenario == "sum":
-            model = _model()
-            recorder = _Recorder(model.parameters())
-            ddp, opt, _ = _private(model, recorder, x, y)
-            xs, ys = x[:16][rank::size], y[:16][rank::size]  # this rank's part of one fixed global batch
-            opt.zero_grad()
-            cl.TauCrossEntropy(4.0).per_example(ddp(xs), ys).sum().backward()
-            opt.step()
-            result["released"] = [t.tolist() for t in recorder.released]
-        elif scenario == "steps":
-            model = _model(seed=rank)  # different initial weights: DDP must broadcast rank 0's
-            ddp, opt, loader = _private(model, torch.optim.Adam(model.parameters(), lr=0.05), x, y)
-            loss = cl.TauCrossEntropy(4.0)
-            sizes = []
-            for xb, yb in loader:  # one epoch: round(1/q) = 4 steps
-                opt.zero_grad()
-                loss.per_example(ddp(xb), yb).sum().backward()
-                opt.step()
-                sizes.append(len(xb))
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            gathered = [torch.zeros_like(flat) for _ in range(size)]
-            torch.distributed.all_gather(gathered, flat)
-            result["identical"] = all(torch.equal(gathered[0], g) for g in gathered)
-            result["epsilon"] = opt.accountant.get_epsilon(1e-5)
-            result["steps"] = opt.accountant.steps
-        elif scenario == "noise":
-            model = _model()
-            recorder = _Recorder(model.parameters())
-            ddp, opt, _ = _private(model, recorder, x, y, noise_multiplier=2.0)
-            loss = cl.TauCrossEntropy(4.0)
-            ratios = []
-            for _ in range(20):  # empty local batches everywhere: the release is the noise alone, / b
-                opt.zero_grad()
-                loss.per_example(ddp(x[:0]), y[:0]).sum().backward()
-                opt.step()
-                std = 2.0 * opt.last_report.global_sensitivity / 16.0
-                released = torch.cat([t.reshape(-1) for t in recorder.released]).double()
-                ratios.append(float((released ** 2).mean()) / std ** 2)
-            result["variance_ratio"] = sum(ratios) / len(ratios)
-        elif scenario == "adaptive":
-            torch.manual_seed(0)
-            model = cl.lipschitz_mlp(SHAPE, 10, hidden=(32,))
-            model.append(cl.AdaptiveLossGradientClip(0.5, count_noise_multiplier=2.0, target_quantile=0.5))
-            ddp, opt, loader = _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
-            loss = cl.TauCrossEntropy(4.0)
-            for xb, yb in loader:
-                opt.zero_grad()
-                loss.per_example(ddp(xb), yb).sum().backward()
-                opt.step()
-            clip = [m for m in model.modules() if isinstance(m, cl.AdaptiveLossGradientClip)][0]
-            value = torch.tensor([float(clip.clip_norm)], dtype=torch.float64)
-            gathered = [torch.zeros_like(value) for _ in range(size)]
-            torch.distributed.all_gather(gathered, value)
-            result["clip_norms"] = [float(g) for g in gathered]
-            result["moved"] = float(clip.clip_norm) != 0.5
-        elif scenario == "one-process-only":
-            from clipless.contrastive.pretrain import ContrastivePretrainer
-
-            model = _model()
-            try:
-                ContrastivePretrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.ArrayDataset(x, y),
-                                      batch_size=8.0, epochs=1)
-                result["refused"] = ""
-            except ValueError as err:
-                result["refused"] = str(err)
-        elif scenario == "mismatch":
-            model = _model()
-            try:
-                _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y,
-                         noise_multiplier=1.0 if rank == 0 else 1.5)
-                result["refused"] = ""
-            except BoundError as err:
-                result["refused"] = str(err)
+        result = _scenario(rank, size, scenario)
+        # DistributedDataParallel's reducer must be gone before the group: one that outlives it aborts the process
+        # at interpreter exit now and then (SIGABRT, "terminate called without an active exception")
+        gc.collect()
         torch.distributed.barrier()  # no rank tears the group down under a peer still receiving (gloo aborts it)
     finally:
         Path(out, f"{scenario}-{rank}.json").write_text(json.dumps(result))
         torch.distributed.destroy_process_group()
+
+
+def _scenario(rank: int, size: int, scenario: str) -> dict:
+    result = {}
+    x, y = _data()
+    if scenario == "sum":
+        model = _model()
+        recorder = _Recorder(model.parameters())
+        ddp, opt, _ = _private(model, recorder, x, y)
+        xs, ys = x[:16][rank::size], y[:16][rank::size]  # this rank's part of one fixed global batch
+        opt.zero_grad()
+        cl.TauCrossEntropy(4.0).per_example(ddp(xs), ys).sum().backward()
+        opt.step()
+        result["released"] = [t.tolist() for t in recorder.released]
+    elif scenario == "steps":
+        model = _model(seed=rank)  # different initial weights: DDP must broadcast rank 0's
+        ddp, opt, loader = _private(model, torch.optim.Adam(model.parameters(), lr=0.05), x, y)
+        loss = cl.TauCrossEntropy(4.0)
+        sizes = []
+        for xb, yb in loader:  # one epoch: round(1/q) = 4 steps
+            opt.zero_grad()
+            loss.per_example(ddp(xb), yb).sum().backward()
+            opt.step()
+            sizes.append(len(xb))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(size)]
+        torch.distributed.all_gather(gathered, flat)
+        result["identical"] = all(torch.equal(gathered[0], g) for g in gathered)
+        result["epsilon"] = opt.accountant.get_epsilon(1e-5)
+        result["steps"] = opt.accountant.steps
+    elif scenario == "noise":
+        model = _model()
+        recorder = _Recorder(model.parameters())
+        ddp, opt, _ = _private(model, recorder, x, y, noise_multiplier=2.0)
+        loss = cl.TauCrossEntropy(4.0)
+        ratios = []
+        for _ in range(20):  # empty local batches everywhere: the release is the noise alone, / b
+            opt.zero_grad()
+            loss.per_example(ddp(x[:0]), y[:0]).sum().backward()
+            opt.step()
+            std = 2.0 * opt.last_report.global_sensitivity / 16.0
+            released = torch.cat([t.reshape(-1) for t in recorder.released]).double()
+            ratios.append(float((released ** 2).mean()) / std ** 2)
+        result["variance_ratio"] = sum(ratios) / len(ratios)
+    elif scenario == "adaptive":
+        torch.manual_seed(0)
+        model = cl.lipschitz_mlp(SHAPE, 10, hidden=(32,))
+        model.append(cl.AdaptiveLossGradientClip(0.5, count_noise_multiplier=2.0, target_quantile=0.5))
+        ddp, opt, loader = _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+        loss = cl.TauCrossEntropy(4.0)
+        for xb, yb in loader:
+            opt.zero_grad()
+            loss.per_example(ddp(xb), yb).sum().backward()
+            opt.step()
+        clip = [m for m in model.modules() if isinstance(m, cl.AdaptiveLossGradientClip)][0]
+        value = torch.tensor([float(clip.clip_norm)], dtype=torch.float64)
+        gathered = [torch.zeros_like(value) for _ in range(size)]
+        torch.distributed.all_gather(gathered, value)
+        result["clip_norms"] = [float(g) for g in gathered]
+        result["moved"] = float(clip.clip_norm) != 0.5
+    elif scenario == "one-process-only":
+        from clipless.contrastive.pretrain import ContrastivePretrainer
+
+        model = _model()
+        try:
+            ContrastivePretrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.ArrayDataset(x, y),
+                                  batch_size=8.0, epochs=1)
+            result["refused"] = ""
+        except ValueError as err:
+            result["refused"] = str(err)
+    elif scenario == "mismatch":
+        model = _model()
+        try:
+            _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y,
+                     noise_multiplier=1.0 if rank == 0 else 1.5)
+            result["refused"] = ""
+        except BoundError as err:
+            result["refused"] = str(err)
+    return result
 
 
 def _run(scenario: str, size: int = 2) -> list:
