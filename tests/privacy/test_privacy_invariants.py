@@ -106,6 +106,8 @@ def test_make_private_defaults_draw_different_batches_and_noise():
     _, m1, o1, l1 = _engine_setup()
     _, m2, o2, l2 = _engine_setup()
     assert [b[1].tolist() for b in l1] != [b[1].tolist() for b in l2]
+    _, m1, o1, l1 = _engine_setup()  # fresh loaders: each step must release one new batch of its loader
+    _, m2, o2, l2 = _engine_setup()
     loss = cl.TauCrossEntropy(4.0)
     assert not torch.equal(_one_epoch(m1, o1, l1, loss), _one_epoch(m2, o2, l2, loss))
 

@@ -23,6 +23,11 @@ SHAPE = (6,)
 
 
 def _setup(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=torch.optim.SGD, **kw):
+    model, opt, loss, engine, data, _ = _setup_with_loader(lr, noise, loss, model, optimizer_cls, **kw)
+    return model, opt, loss, engine, data.features[:16], data.labels[:16]
+
+
+def _setup_with_loader(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=torch.optim.SGD, **kw):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(96, *SHAPE, generator=gen)
@@ -34,7 +39,7 @@ def _setup(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=torch.optim.S
     model, opt, loader = engine.make_private(
         module=model, optimizer=optimizer_cls(model.parameters(), lr=lr), data=data, loss=loss,
         noise_multiplier=noise, input_shape=SHAPE, batch_size=16.0, input_bound=1.0, **kw)
-    return model, opt, loss, engine, data.features[:16], data.labels[:16]
+    return model, opt, loss, engine, data, loader
 
 
 def _refused(opt, engine, match):
@@ -79,6 +84,73 @@ def test_step_twice_or_without_backward_refused():
     opt.step()
     message = _refused(opt, engine, "no backward")
     assert "run loss.per_example(model(x), y).sum().backward()" in message
+
+
+def test_the_loader_loop_releases_one_new_batch_per_step_empty_batches_included():
+    model, opt, loss, engine, _, loader = _setup_with_loader(noise=1e-12, lr=0.0)
+    released = capture_released(opt)
+    sizes = []
+    for epoch in range(2):  # a new iterator per epoch, as in the README loop
+        for bx, by in loader:
+            opt.zero_grad()
+            loss.per_example(model(bx), by).sum().backward()
+            opt.step()
+            sizes.append(len(bx))
+    assert engine.accountant.steps == len(sizes) == 2 * len(loader) == loader.batches_drawn == len(released)
+
+
+@pytest.mark.parametrize("slip", ["same_batch_twice", "two_batches_one_step", "skip_a_batch"])
+def test_each_step_must_release_exactly_one_new_batch_of_the_loader(slip):
+    """The accountant composes one Poisson sample per step: a second step on one batch, or one step on the sum of
+    several batches (inclusion rate about 2q, an example possibly counted twice), is not what it accounts."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    batches = iter(loader)
+    bx, by = next(batches)
+    loss.per_example(model(bx), by).sum().backward()
+    if slip == "same_batch_twice":
+        opt.step()
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        _refused(opt, engine, "no new batch was drawn from the private loader")
+    elif slip == "two_batches_one_step":
+        bx, by = next(batches)
+        loss.per_example(model(bx), by).sum().backward()
+        _refused(opt, engine, "2 batches were drawn from the private loader since the last step")
+    else:
+        opt.step()
+        next(batches)  # a loop that skips a batch (an empty one, say) reveals its size by the missing step
+        bx, by = next(batches)
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        message = _refused(opt, engine, "2 batches were drawn from the private loader since the last step")
+        assert "empty batches included" in message
+
+
+@pytest.mark.parametrize("slip", ["duplicated_row", "augmented_copy_without_multiplicity"])
+def test_more_rows_than_the_drawn_batch_refused(slip):
+    """Each row's loss weighs 1: an example in two rows has twice the certified sensitivity."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    bx, by = next(iter(loader))
+    drawn = len(bx)
+    if slip == "duplicated_row":
+        bx, by = torch.cat([bx, bx[:1]]), torch.cat([by, by[:1]])
+    else:
+        bx, by = torch.cat([bx, -bx]), torch.cat([by, by])
+    loss.per_example(model(bx), by).sum().backward()
+    message = _refused(opt, engine, f"carried {len(bx)} rows .* for a batch of {drawn} drawn")
+    assert "augmentation_multiplicity" in message
+
+
+def test_augmented_copies_with_their_multiplicity_and_sub_batches_are_accepted():
+    model, opt, loss, engine, _, loader = _setup_with_loader(augmentation_multiplicity=2)
+    for rows in (None, 3):  # the whole batch, then its first 3 rows (fewer rows than drawn: none counts twice)
+        bx, by = next(iter(loader))
+        bx, by = bx[:rows], by[:rows]
+        opt.zero_grad()
+        per_row = loss.per_example(model(torch.cat([bx, -bx])), torch.cat([by, by]))
+        per_row.view(2, -1).mean(0).sum().backward()
+        opt.step()
+    assert engine.accountant.steps == 2
 
 
 def test_backward_of_a_forward_from_before_the_step_refused():

@@ -43,6 +43,8 @@ def test_training_stops_at_the_budget():
     assert result.stopped_by_budget
     assert result.epsilon <= 1.0
     assert cl.compute_epsilon(3.0, trainer.sample_rate, result.steps + 1, 1e-5, "rdp") > 1.0
+    assert result.steps % len(trainer.loader)  # the budget ran out inside an epoch ...
+    assert trainer.loader.batches_drawn == result.steps  # ... and no batch was drawn that no step released
 
 
 def test_per_layer_strategy_composes_to_calibrated_sigma():

@@ -367,7 +367,7 @@ class StepGuard:
         self._released: Dict[int, _ForwardRecord] = {}  # checked backward passes that reached the parameters
         self._accumulations: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (its grad, grad version)
         # backward -> (sum over its rows of ||output gradient|| / L, rows with a nonzero output gradient)
-        self._mass: Dict[int, Tuple[float, int]] = {}
+        self._mass: Dict[int, Tuple[float, int, int]] = {}
         self._violation: Optional[str] = None
 
     def remove(self) -> None:
@@ -492,8 +492,9 @@ class StepGuard:
             why = "the weights changed between the forward and its backward: the bounds are those of other weights"
         else:
             self._checked[_task()] = record
-            mass, rows = self._mass.get(_task(), (0.0, 0))
-            self._mass[_task()] = (mass + float(norms.sum()) / lipschitz, rows + int((norms > 0).sum()))
+            mass, nonzero, rows = self._mass.get(_task(), (0.0, 0, 0))
+            self._mass[_task()] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
+                                   rows + int(norms.numel()))
             return
         self._problem(why)
 
@@ -585,8 +586,9 @@ class StepGuard:
         else sees) or a wrong declared bound can fail it; a necessary condition, not the guarantee."""
         if not self.sum_check:
             return
-        masses = [self._mass.get(task, (0.0, 0)) for task in self._released]
-        mass = float(sum(rows for _, rows in masses)) if report.gradient_capped else sum(m for m, _ in masses)
+        masses = [self._mass.get(task, (0.0, 0, 0)) for task in self._released]
+        mass = float(sum(nonzero for _, nonzero, _ in masses)) if report.gradient_capped else sum(
+            m for m, _, _ in masses)
         for layer in report.layers:
             norm = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad.double())) ** 2
                                  for p in layer.params if p.grad is not None))
@@ -596,6 +598,10 @@ class StepGuard:
                     f"most {mass:.6g} examples' worth of gradient can have under the certified per-example bound "
                     f"{layer.bound:.6g}: the backward was changed (a hook on an autograd node?) or the layer declares "
                     "a wrong bound; call optimizer.zero_grad() and run the batch again")
+
+    def released_rows(self) -> int:
+        """Rows of the private model's output whose backward this step releases (micro-batches summed)."""
+        return sum(self._mass.get(task, (0.0, 0, 0))[2] for task in self._released)
 
     def finish_step(self, params: Sequence[torch.Tensor]) -> None:
         """After a released step: clear the gradients and start the next step."""

@@ -90,6 +90,8 @@ class DPOptimizer:
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
+        self._batches: Optional[Any] = None  # the Poisson loader whose batches each step must consume, one each
+        self._batches_released = 0
         self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
                                [p for layer in report.layers for p in layer.params],
                                bound_engine.loss, lambda: bound_engine.loss_lipschitz,
@@ -120,6 +122,46 @@ class DPOptimizer:
                                      "(added after make_private, or frozen when the bounds were computed); "
                                      "call make_private again")
 
+    def watch_batches(self, loader: Any) -> None:
+        """Each step must then release exactly one new batch of ``loader`` (a
+        :class:`~clipless.privacy.sampling.PoissonDataLoader`), once the loop has drawn from it.
+
+        The accountant composes one Poisson-subsampled Gaussian per step.  Two steps on one batch are not two
+        independent samples, and one step on the sum of several batches has per-step inclusion rate about
+        ``k q``, not ``q`` (an example may also appear in several, doubling its sensitivity).  A refused step
+        spends the batches drawn before it.  Batches built by hand, never drawn from the loader, cannot be
+        checked (as in Opacus)."""
+        self._batches = loader
+        self._batches_released = loader.batches_drawn
+
+    def _check_one_new_batch(self) -> None:
+        if self._batches is None or self._batches.batches_drawn == 0:
+            return
+        new = self._batches.batches_drawn - self._batches_released
+        if new == 0:
+            raise BoundError("no new batch was drawn from the private loader since the last step: a second step on "
+                             "the same batch is not accounted (the accountant composes one fresh Poisson sample per "
+                             "step); draw the next batch from the loader for each step")
+        if new > 1:
+            raise BoundError(f"{new} batches were drawn from the private loader since the last step: call step() "
+                             "once per batch, empty batches included (gradients of several Poisson batches summed "
+                             "in one step are not what the accountant composes, and skipping a batch reveals its "
+                             "size; a wrapper that draws batches ahead of the loop is refused for the same reason)")
+
+    def _check_rows(self) -> None:
+        """More output rows than the drawn batch holds (times K) means some example was used twice: a row
+        duplicated or an augmented copy added without ``augmentation_multiplicity``, each at full weight."""
+        drawn = None if self._batches is None or not self._batches.batches_drawn else self._batches.last_batch_rows
+        if drawn is None:
+            return
+        rows, k = self.guard.released_rows(), self.augmentation_multiplicity
+        if rows > k * drawn:
+            raise BoundError(f"the backward carried {rows} rows of the private model's output for a batch of {drawn} "
+                             f"drawn from the private loader (augmentation multiplicity K = {k}): an example used in "
+                             "several rows, each with loss weight 1, has several times the certified sensitivity; "
+                             "for augmented copies pass augmentation_multiplicity=K to make_private and backpropagate "
+                             "the mean over each example's K rows")
+
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         return self.original_optimizer.param_groups
@@ -134,15 +176,21 @@ class DPOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_covered()
-        params = [p for group in self.original_optimizer.param_groups for p in group["params"]]
-        with unwatched(params):  # the user's closure is done: from here on only the step's own operations run
-            self._release(params)
+        try:
+            self._check_one_new_batch()
+            self._check_covered()
+            params = [p for group in self.original_optimizer.param_groups for p in group["params"]]
+            with unwatched(params):  # the user's closure is done: from here on only the step's own operations run
+                self._release(params)
+        finally:  # released or refused, the batches drawn so far are spent: the next step needs a new one
+            if self._batches is not None:
+                self._batches_released = self._batches.batches_drawn
         return loss
 
     def _release(self, params: List[torch.Tensor]) -> None:
         """Check the gradients, add the planned noise, step, project, account, and start the next step."""
         self.guard.check_step(params)
+        self._check_rows()
         report = self.bound_engine.compute()
         bounded = [id(p) for layer in report.layers for p in layer.params]
         noised = set(bounded)

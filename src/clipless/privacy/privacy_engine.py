@@ -173,6 +173,7 @@ class PrivacyEngine:
         else:
             loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
                                          steps_per_epoch=steps_per_epoch)
+        dp_optimizer.watch_batches(loader)
         return wrapped, dp_optimizer, loader
 
     def make_private_with_epsilon(

@@ -11,8 +11,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from .randomness import secret_generator
 
-__all__ = ["PoissonBatchSampler", "poisson_data_loader", "BatchCollator", "PreCollated", "poisson_threshold",
-           "realised_sample_rate", "expected_batch_size", "SAMPLING_BITS"]
+__all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
+           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "SAMPLING_BITS"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
@@ -149,5 +149,35 @@ def poisson_data_loader(
         len(dataset), sample_rate, steps_per_epoch, generator)  # type: ignore[arg-type]
     if hasattr(dataset, "gather"):
         dataset = _GatherView(dataset)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=BatchCollator(dataset), num_workers=num_workers)
+    return PoissonDataLoader(dataset, batch_sampler=sampler, collate_fn=BatchCollator(dataset),
+                             num_workers=num_workers)
+
+
+class PoissonDataLoader(DataLoader):
+    """A ``DataLoader`` that counts the batches it hands out (``batches_drawn``), so that the private step can
+    check it releases exactly one new batch per step: the accountant composes one Poisson sample per step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_drawn = 0
+        self.last_batch_rows: Optional[int] = None  # records in the batch handed out last (None: not a tensor batch)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        for batch in super().__iter__():
+            # counted when handed to the caller, not when the sampler runs (workers prefetch ahead)
+            self.batches_drawn += 1
+            self.last_batch_rows = _rows(batch)
+            yield batch
+
+
+def _rows(batch: Any) -> Optional[int]:
+    """The leading size of the first tensor in a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    for item in items:
+        rows = _rows(item)
+        if rows is not None:
+            return rows
+    return None
 

@@ -203,9 +203,7 @@ class PrivateTrainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=min(len(batches), int(self.max_steps - self.steps)), desc=f"epoch {self.epoch + 1}", leave=False)
-        for x, y in batches:
-            if self.steps >= self.max_steps:
-                break
+        for x, y in batches:  # fit() calls this only while steps < max_steps
             x, y = x.to(self.device), y.to(self.device)
             self.optimizer.zero_grad()
             k = self.augmentation_multiplicity
@@ -231,6 +229,8 @@ class PrivateTrainer:
                     seen += int(y.shape[0])
             if bar is not None:
                 bar.update(1)
+            if self.steps >= self.max_steps:  # before the next draw: every batch drawn is released
+                break
         if bar is not None:
             bar.close()
         if not self.log_train_stats:
