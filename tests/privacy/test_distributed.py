@@ -3,6 +3,7 @@ the single-process sum, identical weights, refused mismatches, and ``torchrun -m
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import math
@@ -55,7 +56,9 @@ def _private(model, optimizer, x, y, **kwargs):
 
 
 def _worker(rank: int, size: int, init: str, out: str, scenario: str) -> None:
-    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    # a rank left waiting in a collective fails within a minute instead of the default half hour
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=size,
+                                         timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     result = {}
     try:
@@ -137,6 +140,29 @@ def _scenario(rank: int, size: int, scenario: str) -> dict:
             result["refused"] = ""
         except ValueError as err:
             result["refused"] = str(err)
+    elif scenario == "one-rank-slip":
+        model = _model()
+        ddp, opt, loader = _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+        loss = cl.TauCrossEntropy(4.0)
+        batches = iter(loader)
+        xb, yb = next(batches)
+        if rank == 1:  # a record added to this rank's part of the batch: its rows outnumber the batch drawn
+            xb, yb = torch.cat([xb, x[:1]]), torch.cat([yb, y[:1]])
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.zero_grad()
+            loss.per_example(ddp(xb), yb).sum().backward()
+            opt.step()
+            result["refused"] = ""
+        except BoundError as err:
+            result["refused"] = str(err)
+        result["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        result["steps"] = opt.accountant.steps
+        xb, yb = next(batches)  # every rank goes on with the next batch
+        opt.zero_grad()
+        loss.per_example(ddp(xb), yb).sum().backward()
+        opt.step()
+        result["steps_after"] = opt.accountant.steps
     elif scenario == "mismatch":
         model = _model()
         try:
@@ -188,6 +214,14 @@ def test_adaptive_clip_count_is_summed_and_noised_once() -> None:
     results = _run("adaptive")
     norms = results[0]["clip_norms"]
     assert norms[0] == norms[1] and results[0]["moved"]
+
+
+def test_a_step_refused_on_one_rank_is_refused_on_every_rank() -> None:
+    """Before, the other rank added its noise and waited in the all-reduce of the sum until the group timed out."""
+    results = _run("one-rank-slip")
+    assert "rows of the private model's output" in results[1]["refused"]
+    assert "rank(s) [1] refused this step" in results[0]["refused"]
+    assert all(r["unchanged"] and r["steps"] == 0 and r["steps_after"] == 1 for r in results)
 
 
 def test_mismatched_ranks_are_refused_on_every_rank() -> None:

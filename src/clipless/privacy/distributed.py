@@ -10,18 +10,22 @@
 * **Everything else is replicated.** The weights start identical (``DistributedDataParallel`` broadcasts
   them), every rank computes the same certified bounds and projection on the same noisy gradient, so the
   weights stay bit-identical; the accountant steps identically on every rank, and files are written by rank 0.
+* **Refusals are collective.** The step's checks run on every rank's own backward; one more all-reduce of a
+  flag per rank before the noise makes every rank refuse a step that one rank refuses.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from .certified import BoundError
 from .sampling import PoissonBatchSampler, poisson_mask
 
+T = TypeVar("T")
+
 __all__ = ["world", "is_distributed", "all_reduce_sum_", "broadcast_value", "check_same_on_all_ranks",
-           "DistributedPoissonBatchSampler"]
+           "same_outcome_on_all_ranks", "DistributedPoissonBatchSampler"]
 
 
 def world() -> Tuple[int, int]:
@@ -72,6 +76,28 @@ def check_same_on_all_ranks(values: Dict[str, Any], what: str = "run") -> None:
                            for k in differing)
         raise BoundError(f"the ranks of this distributed {what} disagree ({detail}): every rank must run the same "
                          "configuration, or the epsilon of one is not the epsilon of the others")
+
+
+def same_outcome_on_all_ranks(run: Callable[[], T], device: Any = "cpu") -> T:
+    """``run()`` on every rank; if it raises on any rank, every rank raises (the rank's own error, or one naming
+    the ranks that failed), so that no rank goes on to a collective its peers never join."""
+    rank, size = world()
+    failure: Optional[Exception] = None
+    result: Optional[T] = None
+    try:
+        result = run()
+    except Exception as err:  # any failure: a peer left waiting would hang until the group's timeout
+        failure = err
+    flags = torch.zeros(size, dtype=torch.int64, device=device)
+    flags[rank] = failure is not None
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.SUM)
+    if failure is not None:
+        raise failure
+    failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if failed:
+        raise BoundError(f"rank(s) {failed} refused this step (their error says why): no rank released it; call "
+                         "optimizer.zero_grad() and run the next batch on every rank")
+    return result  # type: ignore[return-value]
 
 
 class DistributedPoissonBatchSampler(PoissonBatchSampler):

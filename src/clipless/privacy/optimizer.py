@@ -13,7 +13,7 @@ be the gradient of the **sum** of per-example losses of one Poisson batch
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -21,7 +21,7 @@ from .accounting import PrivacyAccountant
 from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError
-from .distributed import all_reduce_sum_, world
+from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
 from .input_guard import StepGuard, unwatched
 from .modules import step_mechanisms
 from .noise import add_noise_
@@ -173,22 +173,32 @@ class DPOptimizer:
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         self.plan.check_budget(self.accountant.steps)
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        try:
+
+        def checked() -> Tuple[List[torch.Tensor], BoundReport]:
+            nonlocal loss
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
             self._check_one_new_batch()
             self._check_covered()
             params = [p for group in self.original_optimizer.param_groups for p in group["params"]]
             with unwatched(params):  # the user's closure is done: from here on only the step's own operations run
-                self._release(params)
+                return params, self._checked_report(params)
+
+        try:
+            if self.world_size == 1:
+                params, report = checked()
+            else:  # a rank that refuses alone would leave its peers waiting in the all-reduce of the noisy sum
+                params, report = same_outcome_on_all_ranks(checked, next(self.bound_engine.model.parameters()).device)
+            with unwatched(params):
+                self._release(params, report)
         finally:  # released or refused, the batches drawn so far are spent: the next step needs a new one
             if self._batches is not None:
                 self._batches_released = self._batches.batches_drawn
         return loss
 
-    def _release(self, params: List[torch.Tensor]) -> None:
-        """Check the gradients, add the planned noise, step, project, account, and start the next step."""
+    def _checked_report(self, params: List[torch.Tensor]) -> BoundReport:
+        """Every check of the step's gradients, then the certified bounds they are noised with."""
         self.guard.check_step(params)
         self._check_rows()
         report = self.bound_engine.compute()
@@ -205,6 +215,10 @@ class DPOptimizer:
                              "after the backward) has a gradient: the optimizer would apply it without noise; "
                              "freeze parameters before the forward, or set their .grad to None")
         self.guard.check_sums(report)
+        return report
+
+    def _release(self, params: List[torch.Tensor], report: BoundReport) -> None:
+        """Add the planned noise, step, project, account, and start the next step."""
         self.last_report = report
         if self.world_size == 1:
             self.last_noise_std = add_noise_(
