@@ -62,7 +62,7 @@ def _worker(rank: int, size: int, init: str, out: str, scenario: str) -> None:
     torch.set_num_threads(1)
     result = {}
     try:
-        result = _scenario(rank, size, scenario)
+        result = _scenario(rank, size, scenario, out)
         # DistributedDataParallel's reducer must be gone before the group: one that outlives it aborts the process
         # at interpreter exit now and then (SIGABRT, "terminate called without an active exception")
         gc.collect()
@@ -72,7 +72,7 @@ def _worker(rank: int, size: int, init: str, out: str, scenario: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _scenario(rank: int, size: int, scenario: str) -> dict:
+def _scenario(rank: int, size: int, scenario: str, out: str) -> dict:
     result = {}
     x, y = _data()
     if scenario == "sum":
@@ -163,6 +163,35 @@ def _scenario(rank: int, size: int, scenario: str) -> dict:
         loss.per_example(ddp(xb), yb).sum().backward()
         opt.step()
         result["steps_after"] = opt.accountant.steps
+    elif scenario == "shared-sampling-generator":
+        result["outcomes"] = []
+        for stream in (1, 1 + 1000 * rank):  # the same state on every rank, then one stream per rank
+            model = _model()
+            try:
+                _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y,
+                         sampling_generator=make_generator(7, stream=stream))
+                result["outcomes"].append("")
+            except BoundError as err:
+                result["outcomes"].append(str(err))
+    elif scenario == "resume-streams":
+        path = Path(out, "checkpoint.pt")
+
+        def trainer():
+            model = _model()
+            return cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(4.0),
+                                     cl.ArrayDataset(x, y), input_shape=SHAPE, batch_size=16.0, delta=1e-3, epochs=2,
+                                     noise_multiplier=1.0, input_bound=4.0, noise_seed=3, progress=False, log=None,
+                                     checkpoint_path=path)
+
+        first = trainer()
+        first.max_steps = len(first.loader)  # stop (and checkpoint) after the first of the two epochs
+        first.fit()
+        drawn = first.sampling_generator.get_state()
+        torch.distributed.barrier()  # rank 0 has written the checkpoint
+        resumed = trainer()
+        resumed.load_checkpoint(path)
+        result["continues"] = torch.equal(resumed.sampling_generator.get_state(), drawn)
+        result["restarted"] = torch.equal(trainer().sampling_generator.get_state(), drawn)
     elif scenario == "mismatch":
         model = _model()
         try:
@@ -222,6 +251,21 @@ def test_a_step_refused_on_one_rank_is_refused_on_every_rank() -> None:
     assert "rows of the private model's output" in results[1]["refused"]
     assert "rank(s) [1] refused this step" in results[0]["refused"]
     assert all(r["unchanged"] and r["steps"] == 0 and r["steps_after"] == 1 for r in results)
+
+
+def test_ranks_sharing_a_sampling_generator_state_are_refused() -> None:
+    """The same generator on every rank draws the same mask on every shard: correlated inclusions, not the one
+    Poisson sample the accountant composes (before, accepted)."""
+    results = _run("shared-sampling-generator")
+    assert all("ranks [0, 1] start from the same sampling generator state" in r["outcomes"][0] for r in results)
+    assert all(r["outcomes"][1] == "" for r in results)
+
+
+def test_a_seeded_resume_continues_every_rank_sampling_stream() -> None:
+    """Before, only rank 0's stream was saved: rank 1 restarted its seeded stream and drew again the batches of the
+    first steps (inclusions correlated across steps, which the accountant assumes independent)."""
+    results = _run("resume-streams")
+    assert all(r["continues"] and not r["restarted"] for r in results)
 
 
 def test_mismatched_ranks_are_refused_on_every_rank() -> None:

@@ -24,8 +24,9 @@ from .sampling import PoissonBatchSampler, poisson_mask
 
 T = TypeVar("T")
 
-__all__ = ["world", "is_distributed", "all_reduce_sum_", "broadcast_value", "check_same_on_all_ranks",
-           "same_outcome_on_all_ranks", "DistributedPoissonBatchSampler"]
+__all__ = ["world", "is_distributed", "all_reduce_sum_", "all_gather_objects", "broadcast_value",
+           "check_same_on_all_ranks", "check_distinct_on_all_ranks", "same_outcome_on_all_ranks",
+           "DistributedPoissonBatchSampler"]
 
 
 def world() -> Tuple[int, int]:
@@ -60,13 +61,21 @@ def broadcast_value(value: float, device: Any = "cpu") -> float:
     return float(t.item())
 
 
-def check_same_on_all_ranks(values: Dict[str, Any], what: str = "run") -> None:
-    """Refuse, on every rank, a ``what`` whose settings differ between ranks (one guarantee needs one plan)."""
+def all_gather_objects(value: Any) -> List[Any]:
+    """Every rank's ``value`` (picklable), in rank order; ``[value]`` on one process."""
     _, size = world()
     if size == 1:
+        return [value]
+    gathered: List[Any] = [None] * size
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def check_same_on_all_ranks(values: Dict[str, Any], what: str = "run") -> None:
+    """Refuse, on every rank, a ``what`` whose settings differ between ranks (one guarantee needs one plan)."""
+    if world()[1] == 1:
         return
-    gathered: List[Optional[Dict[str, Any]]] = [None] * size
-    torch.distributed.all_gather_object(gathered, {k: repr(v) for k, v in values.items()})
+    gathered: List[Optional[Dict[str, Any]]] = all_gather_objects({k: repr(v) for k, v in values.items()})
     differing = sorted(k for k in values if len({repr(g.get(k)) if g else None for g in gathered}) > 1)
     if differing:
         # every rank has seen the same gather: wait until all are done with it, so that no rank tears the group
@@ -76,6 +85,19 @@ def check_same_on_all_ranks(values: Dict[str, Any], what: str = "run") -> None:
                            for k in differing)
         raise BoundError(f"the ranks of this distributed {what} disagree ({detail}): every rank must run the same "
                          "configuration, or the epsilon of one is not the epsilon of the others")
+
+
+def check_distinct_on_all_ranks(value: Any, what: str) -> None:
+    """Refuse, on every rank, a ``value`` that two ranks share: each rank's Poisson draws must be independent of
+    the others' for the union of the ranks' batches to be the one Poisson sample the accountant composes."""
+    gathered = all_gather_objects(value)
+    shared = [r for r in range(len(gathered)) if gathered.count(gathered[r]) > 1]
+    if shared:
+        torch.distributed.barrier()  # as in check_same_on_all_ranks: no rank leaves a peer still receiving
+        raise BoundError(f"ranks {shared} start from the same {what}: their Poisson batches would be correlated "
+                         "(the same records drawn on every shard), so the union is not one Poisson sample and the "
+                         "epsilon would be wrong; give each rank its own generator, e.g. "
+                         "make_generator(seed, stream=1 + 1000 * rank)")
 
 
 def same_outcome_on_all_ranks(run: Callable[[], T], device: Any = "cpu") -> T:

@@ -366,7 +366,7 @@ class StepGuard:
         self._problems: Dict[int, str] = {}  # backward passes whose gradient must not be released, and why
         self._released: Dict[int, _ForwardRecord] = {}  # checked backward passes that reached the parameters
         self._accumulations: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (its grad, grad version)
-        # backward -> (sum over its rows of ||output gradient|| / L, rows with a nonzero output gradient)
+        # backward -> (sum over its rows of ||output gradient|| / L, rows with a nonzero output gradient, rows)
         self._mass: Dict[int, Tuple[float, int, int]] = {}
         self._violation: Optional[str] = None
 

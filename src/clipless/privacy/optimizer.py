@@ -26,6 +26,7 @@ from .input_guard import StepGuard, unwatched
 from .modules import step_mechanisms
 from .noise import add_noise_
 from .randomness import secret_generator
+from .sampling import PoissonDataLoader
 
 __all__ = ["DPOptimizer"]
 
@@ -90,7 +91,7 @@ class DPOptimizer:
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
-        self._batches: Optional[Any] = None  # the Poisson loader whose batches each step must consume, one each
+        self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
                                [p for layer in report.layers for p in layer.params],
@@ -122,9 +123,8 @@ class DPOptimizer:
                                      "(added after make_private, or frozen when the bounds were computed); "
                                      "call make_private again")
 
-    def watch_batches(self, loader: Any) -> None:
-        """Each step must then release exactly one new batch of ``loader`` (a
-        :class:`~clipless.privacy.sampling.PoissonDataLoader`), once the loop has drawn from it.
+    def watch_batches(self, loader: PoissonDataLoader) -> None:
+        """Each step must then release exactly one new batch of ``loader``, once the loop has drawn from it.
 
         The accountant composes one Poisson-subsampled Gaussian per step.  Two steps on one batch are not two
         independent samples, and one step on the sum of several batches has per-step inclusion rate about

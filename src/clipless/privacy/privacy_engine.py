@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -12,7 +13,7 @@ from .accounting import PrivacyAccountant, check_delta
 from .bounds import BoundEngine
 from .calibration import plan_noise, planned_steps
 from .certified import BoundError
-from .distributed import DistributedPoissonBatchSampler, check_same_on_all_ranks, world
+from .distributed import DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks, world
 from .input_guard import InputGuard
 from .modules import InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
@@ -133,6 +134,9 @@ class PrivacyEngine:
                 "sampling randomness": "fixed generator" if sampling_generator is not None else "os-entropy",
                 "augmentation_multiplicity": augmentation_multiplicity,
             }, "make_private")
+            if sampling_generator is not None:
+                state = sampling_generator.get_state().cpu().numpy().tobytes()
+                check_distinct_on_all_ranks(hashlib.sha256(state).hexdigest(), "sampling generator state")
         wrapped: nn.Module = module
         if distributed:
             from torch.nn.parallel import DistributedDataParallel

@@ -22,7 +22,7 @@ from ..data.augment import ImageAugmentation
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta
 from ..privacy.modules import LipschitzLoss, project_all_
-from ..privacy.distributed import world
+from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label
 from ..privacy.sampling import expected_batch_size
@@ -155,6 +155,7 @@ class PrivateTrainer:
                                   if augment is not None else None)
         # (0, 1) unless the run is distributed: a trainer kept to one process inside a group writes its own files
         self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
+        self._rank_streams: Optional[List[Dict[str, Optional[torch.Tensor]]]] = None  # gathered each epoch
         # the module itself (the one DistributedDataParallel wraps): evaluation, averaging and checkpoints
         self.module: nn.Module = model
         if self.rank != 0:  # one process writes and logs for all
@@ -256,9 +257,16 @@ class PrivateTrainer:
                 self.log(
                     " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
                 )
+            if self.world_size > 1:  # every rank, every epoch: the checkpoint keeps each rank's streams
+                self._rank_streams = all_gather_objects(self._streams())
             if self.checkpoint_path is not None:
                 self.save_checkpoint(self.checkpoint_path)
         return self.result()
+
+    def _streams(self) -> Dict[str, Optional[torch.Tensor]]:
+        """This process's sampling and augmentation generator states."""
+        return {"sampling_generator": self.sampling_generator.get_state(),
+                "augment_generator": self.augment_generator.get_state() if self.augment_generator is not None else None}
 
     def result(self) -> TrainResult:
         test_acc = self.history[-1].get("test_accuracy") if self.history else None
@@ -317,8 +325,10 @@ class PrivateTrainer:
             "averaged_model": self.averaged_model.state_dict() if self.averaged_model is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "accountant": self.accountant.state_dict(),
-            "sampling_generator": self.sampling_generator.get_state(),
-            "augment_generator": self.augment_generator.get_state() if self.augment_generator is not None else None,
+            **self._streams(),
+            # one entry per rank (distributed runs): a rank that restarted its seeded stream would replay its
+            # first batches, correlated with the ones already drawn
+            "rank_streams": self._rank_streams,
             "steps": self.steps,
             "epoch": self.epoch,
             "history": self.history,
@@ -367,6 +377,10 @@ class PrivateTrainer:
         # Every check before anything is loaded: a refused checkpoint leaves this trainer as it was.
         if self.averaged_model is not None and state.get("averaged_model") is None:
             raise ValueError("checkpoint has no averaged model but this run averages iterates")
+        rank_streams = state.get("rank_streams") or [_own_streams(state)]
+        if len(rank_streams) != self.world_size:
+            raise ValueError(f"checkpoint {path} does not record the sampling streams of every process (an older "
+                             "version): their restarted streams would repeat batches already drawn; restart training")
         check_accounted_steps(accountant_state, state.get("steps"), path)
         check_fits(self.module, state["model"], path)
         if self.averaged_model is not None:
@@ -376,10 +390,16 @@ class PrivateTrainer:
             self.averaged_model.load_state_dict(state["averaged_model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.accountant.load_state_dict(state["accountant"])
-        if self.rank == 0:  # the other ranks' streams were not saved: they continue from OS entropy (or their seed)
-            self.sampling_generator.set_state(state["sampling_generator"])
-            if self.augment_generator is not None and state.get("augment_generator") is not None:
-                self.augment_generator.set_state(state["augment_generator"])
+        streams = rank_streams[self.rank]
+        self.sampling_generator.set_state(streams["sampling_generator"])
+        if self.augment_generator is not None and streams.get("augment_generator") is not None:
+            self.augment_generator.set_state(streams["augment_generator"])
+        self._rank_streams = rank_streams
         self.steps, self.epoch = state["steps"], state["epoch"]
         self.history = list(state.get("history", []))
         self._wall = state.get("wall_time_s", 0.0)
+
+
+def _own_streams(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The one-process checkpoint's generator states, in the per-rank layout."""
+    return {"sampling_generator": state["sampling_generator"], "augment_generator": state.get("augment_generator")}
