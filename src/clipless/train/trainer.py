@@ -155,7 +155,8 @@ class PrivateTrainer:
                                   if augment is not None else None)
         # (0, 1) unless the run is distributed: a trainer kept to one process inside a group writes its own files
         self.rank, self.world_size = self.optimizer.rank, self.optimizer.world_size
-        self._rank_streams: Optional[List[Dict[str, Optional[torch.Tensor]]]] = None  # gathered each epoch
+        # (steps, every rank's streams), gathered at the end of each epoch of a distributed run
+        self._rank_streams: Optional[Tuple[int, List[Dict[str, Optional[torch.Tensor]]]]] = None
         # the module itself (the one DistributedDataParallel wraps): evaluation, averaging and checkpoints
         self.module: nn.Module = model
         if self.rank != 0:  # one process writes and logs for all
@@ -258,7 +259,7 @@ class PrivateTrainer:
                     " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
                 )
             if self.world_size > 1:  # every rank, every epoch: the checkpoint keeps each rank's streams
-                self._rank_streams = all_gather_objects(self._streams())
+                self._rank_streams = (self.steps, all_gather_objects(self._streams()))
             if self.checkpoint_path is not None:
                 self.save_checkpoint(self.checkpoint_path)
         return self.result()
@@ -328,7 +329,8 @@ class PrivateTrainer:
             **self._streams(),
             # one entry per rank (distributed runs): a rank that restarted its seeded stream would replay its
             # first batches, correlated with the ones already drawn
-            "rank_streams": self._rank_streams,
+            "rank_streams": self._rank_streams[1] if self._rank_streams and self._rank_streams[0] == self.steps
+            else None,
             "steps": self.steps,
             "epoch": self.epoch,
             "history": self.history,
@@ -380,7 +382,8 @@ class PrivateTrainer:
         rank_streams = state.get("rank_streams") or [_own_streams(state)]
         if len(rank_streams) != self.world_size:
             raise ValueError(f"checkpoint {path} does not record the sampling streams of every process (an older "
-                             "version): their restarted streams would repeat batches already drawn; restart training")
+                             "version, or saved by hand between epochs): their restarted streams would repeat batches "
+                             "already drawn; resume from a checkpoint written at the end of an epoch")
         check_accounted_steps(accountant_state, state.get("steps"), path)
         check_fits(self.module, state["model"], path)
         if self.averaged_model is not None:
@@ -394,7 +397,7 @@ class PrivateTrainer:
         self.sampling_generator.set_state(streams["sampling_generator"])
         if self.augment_generator is not None and streams.get("augment_generator") is not None:
             self.augment_generator.set_state(streams["augment_generator"])
-        self._rank_streams = rank_streams
+        self._rank_streams = (state["steps"], rank_streams)
         self.steps, self.epoch = state["steps"], state["epoch"]
         self.history = list(state.get("history", []))
         self._wall = state.get("wall_time_s", 0.0)
