@@ -433,6 +433,8 @@ def test_checkpoint_keeps_accountant(tmp_path) -> None:
     with pytest.raises(ValueError, match="another encoder"):
         fresh.load_checkpoint(tmp_path / "other.pt")
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.encoder.parameters()))
+    with pytest.raises(ValueError, match="this pre-trainer has already released"):  # a rollback of released steps
+        t.load_checkpoint(tmp_path / "c.pt")
 
 
 def test_bad_input_errors() -> None:

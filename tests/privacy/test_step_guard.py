@@ -153,6 +153,24 @@ def test_augmented_copies_with_their_multiplicity_and_sub_batches_are_accepted()
     assert engine.accountant.steps == 2
 
 
+def test_a_saved_state_cannot_roll_back_released_steps():
+    """Before, opt.load_state_dict(state saved before a step) rewound the noise stream: the next step drew the
+    first step's noise again (its release correlated 0.98 with the first one)."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    saved, accounted = opt.state_dict(), engine.accountant.state_dict()
+    opt.load_state_dict(saved)  # nothing released yet: a resume
+    engine.accountant.load_state_dict(accounted)
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    opt.step()
+    drawn = opt.generator.get_state()
+    with pytest.raises(ValueError, match="already released 1 private step"):
+        opt.load_state_dict(saved)
+    with pytest.raises(ValueError, match="already released 1 private step"):
+        engine.accountant.load_state_dict(accounted)
+    assert torch.equal(opt.generator.get_state(), drawn) and engine.accountant.steps == 1
+
+
 def test_backward_of_a_forward_from_before_the_step_refused():
     model, opt, loss, engine, x, y = _setup()
     # saved tensors are copied on mutation, so autograd's own version check stays silent

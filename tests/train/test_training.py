@@ -56,6 +56,17 @@ def test_per_layer_strategy_composes_to_calibrated_sigma():
     assert result.epsilon <= 3.0
 
 
+def test_a_trainer_that_released_steps_refuses_to_load_a_checkpoint(tmp_path):
+    """Loading an earlier checkpoint into a trainer that has trained rolls its released steps back."""
+    trainer = digits_trainer(epochs=2, checkpoint_path=tmp_path / "c.pt")
+    trainer.fit()
+    weights = [p.detach().clone() for p in trainer.module.parameters()]
+    with pytest.raises(ValueError, match="this trainer has already released"):
+        trainer.load_checkpoint(tmp_path / "c.pt")
+    assert all(torch.equal(a, p) for a, p in zip(weights, trainer.module.parameters()))
+    assert trainer.accountant.steps == trainer.steps
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     straight = digits_trainer(epochs=4)
     straight.fit()

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from ..privacy.accounting import PrivacyAccountant, check_accounted_steps, check_delta
+from ..privacy.accounting import PrivacyAccountant, check_accounted_steps, check_delta, check_nothing_released
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
 from ..privacy.distributed import world
@@ -272,7 +272,9 @@ class ContrastivePretrainer:
         save_checkpoint(state, path)
 
     def load_checkpoint(self, path: Union[str, Path]) -> None:
-        """Resume; refuses a checkpoint without accountant state or with another privacy configuration."""
+        """Resume; refuses a checkpoint without accountant state or with another privacy configuration, and a
+        pre-trainer that has already released steps (a rollback)."""
+        check_nothing_released(self.steps if self.accountant is not None else 0, "this pre-trainer")
         state = load_checkpoint(path)
         if self.accountant is not None and not state.get("accountant"):
             raise ValueError(f"checkpoint {path} has no accountant state: its privacy cost cannot be resumed")

@@ -15,6 +15,7 @@ import dp_accounting
 from dp_accounting import pld, rdp
 
 __all__ = [
+    "check_nothing_released",
     "PrivacyAccountant",
     "effective_noise_multiplier",
     "gradient_noise_multiplier",
@@ -107,6 +108,15 @@ def check_accounted_steps(accountant_state: Dict[str, Any], steps: Any, path: An
                          f"{steps!r} released steps; resume from an intact checkpoint or restart training")
 
 
+def check_nothing_released(released_steps: int, what: str) -> None:
+    """A saved state loads only into a run that has released nothing yet: loaded later, it rolls the run back
+    (the restored noise stream repeats the noise of steps already released, the accountant forgets them)."""
+    if released_steps > 0:
+        raise ValueError(f"{what} has already released {released_steps} private step(s): loading a saved state "
+                         "would roll them back (the restored noise stream would draw their noise again, and the "
+                         "accountant would forget them); resume into a new run")
+
+
 class PrivacyAccountant:
     """Composes Poisson-subsampled Gaussian steps; ``get_epsilon(delta)`` like Opacus.
 
@@ -156,6 +166,7 @@ class PrivacyAccountant:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if "history" not in state or "mechanism" not in state:
             raise ValueError("accountant state must contain 'mechanism' and 'history'")
+        check_nothing_released(self.steps, "this accountant")
         loaded = PrivacyAccountant(state["mechanism"])
         for s, q, n in state["history"]:  # validated like live steps: a stored history is an untrusted claim
             loaded.step(float(s), float(q), int(n))

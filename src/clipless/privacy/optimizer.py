@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .accounting import PrivacyAccountant
+from .accounting import PrivacyAccountant, check_nothing_released
 from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError
@@ -93,6 +93,7 @@ class DPOptimizer:
         bound_engine.project_()  # start from feasible weights
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
+        self._steps_released = 0  # by this optimizer, in this process
         self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
                                [p for layer in report.layers for p in layer.params],
                                bound_engine.loss, lambda: bound_engine.loss_lipschitz,
@@ -239,6 +240,7 @@ class DPOptimizer:
             else:  # the one-process call, as every PerStepMechanism implements it
                 clip.update_(self.expected_batch_size, self.generator)
         self.plan.account_step(self.accountant)
+        self._steps_released += 1
         self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
 
     def state_dict(self) -> Dict[str, Any]:
@@ -248,6 +250,7 @@ class DPOptimizer:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        check_nothing_released(self._steps_released, "this private optimizer")
         self.original_optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["noise_generator"])
 

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from ..data.augment import ImageAugmentation
 from ..diagnostics.tightness import TightnessMonitor
-from ..privacy.accounting import check_accounted_steps, check_delta
+from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
 from ..privacy.modules import LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
@@ -346,7 +346,9 @@ class PrivateTrainer:
         return load_checkpoint(path).get("run_config")
 
     def load_checkpoint(self, path: Union[str, Path]) -> None:
-        """Resume; refuses a checkpoint without accountant state or with another privacy configuration."""
+        """Resume; refuses a checkpoint without accountant state or with another privacy configuration, and a
+        trainer that has already released steps (a rollback)."""
+        check_nothing_released(self.steps, "this trainer")
         state = load_checkpoint(path, map_location=self.device)
         accountant_state = state.get("accountant")
         if not accountant_state or (not accountant_state.get("history") and state.get("steps", 0) > 0):
