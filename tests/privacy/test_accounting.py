@@ -138,11 +138,14 @@ def test_pld_refuses_noise_below_its_floor_and_calibration_stays_above_it():
     stored = cl.PrivacyAccountant("rdp")
     stored.step(0.01, 0.1, 5)
     tampered = {**stored.state_dict(), "mechanism": "pld"}
-    target = cl.PrivacyAccountant("rdp")
-    target.step(1.0, 0.1, 3)
+    target = cl.PrivacyAccountant("rdp")  # fresh: a state loads only into an accountant that composed nothing
     with pytest.raises(ValueError, match="below 0.2"):
         target.load_state_dict(tampered)
-    assert target.mechanism == "rdp" and target.history == [(1.0, 0.1, 3)]  # a refused state leaves it untouched
+    assert target.mechanism == "rdp" and target.history == []  # a refused state leaves it untouched
+    target.step(1.0, 0.1, 3)
+    with pytest.raises(ValueError, match="already released 3 private step"):
+        target.load_state_dict(stored.state_dict())
+    assert target.mechanism == "rdp" and target.history == [(1.0, 0.1, 3)]
     # A target so loose that the best sigma is below the floor: calibration returns the floor's side, within target.
     sigma = calibrate_noise_multiplier(500.0, 1e-5, 0.05, 3, "pld")
     assert PLD_MIN_NOISE_MULTIPLIER <= sigma <= PLD_MIN_NOISE_MULTIPLIER * 1.01
