@@ -140,6 +140,23 @@ class _Guard:
         return _Detached()
 
 
+def _check_precision(module: nn.Module, x: torch.Tensor) -> None:
+    """The bounds are certified for float32/float64 arithmetic: a bfloat16 autocast forward was measured to give
+    a per-example gradient 1.0006x its certified bound (``benchmarks/precision.py``), so reduced precision is
+    refused wherever the output can reach a private step."""
+    if torch.is_autocast_enabled(x.device.type):
+        raise BoundError("the private model ran under torch.autocast: reduced-precision arithmetic can push a "
+                         "per-example gradient past its certified bound; run the training forward outside autocast "
+                         "(evaluation under torch.no_grad() in eval() mode may use it)")
+    low = [t.dtype for t in (x, *module.parameters()) if t.is_floating_point() and t.dtype not in _CERTIFIED_DTYPES]
+    if low:
+        raise BoundError(f"the private model's input or weights are {low[0]}: the per-example bounds are certified "
+                         "for float32 or float64 arithmetic only; keep the model and its inputs in float32 or float64")
+
+
+_CERTIFIED_DTYPES = (torch.float32, torch.float64)
+
+
 class InputGuard(_Guard):
     """Forward pre-hook that refuses inputs the privacy analysis does not cover.
 
@@ -164,6 +181,8 @@ class InputGuard(_Guard):
         if x.is_floating_point() and not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
             raise BoundError("input contains NaN or infinite values")
         checked = module.training or torch.is_grad_enabled()
+        if checked:
+            _check_precision(module, x)
         if checked and self.data_bound is not None and x.shape[0] > 0:
             largest = largest_norm(x, self.data_bound)
             if largest > self.data_bound * (1 + 1e-6):
