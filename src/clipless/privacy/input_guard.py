@@ -148,7 +148,9 @@ def _check_precision(module: nn.Module, x: torch.Tensor) -> None:
         raise BoundError("the private model ran under torch.autocast: reduced-precision arithmetic can push a "
                          "per-example gradient past its certified bound; run the training forward outside autocast "
                          "(evaluation under torch.no_grad() in eval() mode may use it)")
-    low = [t.dtype for t in (x, *module.parameters()) if t.is_floating_point() and t.dtype not in _CERTIFIED_DTYPES]
+    # dtype attributes, not is_floating_point(): a method call on a watched parameter dispatches through its
+    # __torch_function__ (3x the cost on every forward)
+    low = [t.dtype for t in (x, *module.parameters()) if t.dtype.is_floating_point and t.dtype not in _CERTIFIED_DTYPES]
     if low:
         raise BoundError(f"the private model's input or weights are {low[0]}: the per-example bounds are certified "
                          "for float32 or float64 arithmetic only; keep the model and its inputs in float32 or float64")

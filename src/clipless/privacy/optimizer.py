@@ -135,10 +135,15 @@ class DPOptimizer:
         self._batches = loader
         self._batches_released = loader.batches_drawn
 
+    def _loader_in_use(self) -> Optional[PoissonDataLoader]:
+        """The watched loader once the loop has drawn from it (hand-built batches are not checked)."""
+        return self._batches if self._batches is not None and self._batches.batches_drawn else None
+
     def _check_one_new_batch(self) -> None:
-        if self._batches is None or self._batches.batches_drawn == 0:
+        loader = self._loader_in_use()
+        if loader is None:
             return
-        new = self._batches.batches_drawn - self._batches_released
+        new = loader.batches_drawn - self._batches_released
         if new == 0:
             raise BoundError("no new batch was drawn from the private loader since the last step: a second step on "
                              "the same batch is not accounted (the accountant composes one fresh Poisson sample per "
@@ -152,7 +157,8 @@ class DPOptimizer:
     def _check_rows(self) -> None:
         """More output rows than the drawn batch holds (times K) means some example was used twice: a row
         duplicated or an augmented copy added without ``augmentation_multiplicity``, each at full weight."""
-        drawn = None if self._batches is None or not self._batches.batches_drawn else self._batches.last_batch_rows
+        loader = self._loader_in_use()
+        drawn = None if loader is None else loader.last_batch_rows
         if drawn is None:
             return
         rows, k = self.guard.released_rows(), self.augmentation_multiplicity
