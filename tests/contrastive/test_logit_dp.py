@@ -303,6 +303,42 @@ def test_naive_dp_sensitivity_two_c() -> None:
         assert float((full - _grad_vector(enc)).norm()) <= naive_dp_sensitivity(0.1) * (1 + 1e-9)
 
 
+def test_naive_dp_released_gradient_never_exceeds_c_in_float32() -> None:
+    """Before, the factor C / ||g|| was applied in float32 and half of these released gradients had a norm
+    above C (by up to 5e-8 relative): the sensitivity 2C held only up to rounding."""
+    for seed in range(40):
+        enc = _mlp(seed, dims=(12, 32, 32, 8), act=nn.ReLU, scale=3.0, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(seed)
+        xa, xb = torch.randn(6, 12, generator=gen), torch.randn(6, 12, generator=gen)
+        clip = 1e-3
+        stats = naive_dp_gradient(enc, xa, xb, "contrastive", 1.0, clip)
+        assert stats["clipped_fraction"] == 1.0
+        norm = float(_grad_vector(enc).norm())
+        assert clip * (1 - 1e-6) < norm <= clip
+
+
+@pytest.mark.parametrize("how", ["autocast", "bfloat16", "half"])
+@pytest.mark.parametrize("private", ["logit_dp", "naive_dp"])
+def test_reduced_precision_private_gradients_refused(how: str, private: str) -> None:
+    """Clip factors measured in one reduced-precision pass and applied in another are not covered by the
+    rounding margins (before: autocast failed with an unrelated rounding error in Logit-DP, ran in Naive-DP)."""
+    enc = _mlp(0, dims=(12, 16, 8), act=nn.ReLU, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    xa, xb = torch.randn(4, 12, generator=gen), torch.randn(4, 12, generator=gen)
+    run = (lambda a, b: logit_dp_gradient(enc, a, b, "contrastive", 1.0, 1.0)) if private == "logit_dp" else (
+        lambda a, b: naive_dp_gradient(enc, a, b, "contrastive", 1.0, 1.0))
+    with pytest.raises(ValueError, match="autocast" if how == "autocast" else "float32 or float64"):
+        if how == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                run(xa, xb)
+        else:
+            dtype = torch.bfloat16 if how == "bfloat16" else torch.float16
+            enc.to(dtype)
+            run(xa.to(dtype), xb.to(dtype))
+    enc.float()
+    run(xa, xb)  # float32 is accepted
+
+
 def test_empty_batch_gives_zero_gradient() -> None:
     enc = _mlp(0)
     empty = torch.zeros(0, 12, dtype=torch.float64)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.utils import _pair
 
-from ..privacy.input_guard import (global_hooks_registered, module_hooks, replaced_forward,
+from ..privacy.input_guard import (check_precision, global_hooks_registered, module_hooks, replaced_forward,
                                    saved_tensor_hooks_active)
 
 __all__ = [
@@ -477,11 +477,15 @@ def _rounding_margin(accumulation_length: int, dtype: torch.dtype) -> float:
     (``|K_ab| <= sqrt(K_aa K_bb)``) and unit ``u``, ``v`` those sums are at most ``tr K_i = ||J_i||_F^2``,
     ``||J'_j||_F^2`` and ``sqrt(||J_i||_F^2 ||J'_j||_F^2)``, so ``A + 2C + B`` is within
     ``2 gamma_K (||J_i||_F^2 + ||J'_j||_F^2)``; the factor 2 on top is slack."""
-    unit = torch.finfo(dtype).eps / 2
-    k_u = accumulation_length * unit
+    return 4.0 * _gamma(accumulation_length, dtype)
+
+
+def _gamma(roundings: int, dtype: torch.dtype) -> float:
+    """Higham's ``gamma_K = K u / (1 - K u)``: the relative error of ``K`` roundings in ``dtype``."""
+    k_u = roundings * torch.finfo(dtype).eps / 2
     if k_u >= 0.5:
         raise ValueError("sums too long for a rounding bound in this precision; use float64")
-    return 4.0 * k_u / (1.0 - k_u)
+    return k_u / (1.0 - k_u)
 
 
 def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int, names: Optional[List[str]] = None,
@@ -663,6 +667,14 @@ def _refuse_custom_functions(outputs: Sequence[torch.Tensor]) -> None:
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
+def _check_precision(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor) -> None:
+    """Clip factors are measured in one pass and applied in another; their rounding margins are proven for
+    float32/float64 sums, not for two reduced-precision computations of the same gradient that may differ by
+    ``2^-8`` relative, so a private gradient refuses autocast and float16/bfloat16 inputs or weights."""
+    check_precision(encoder, xa)
+    check_precision(encoder, xb)
+
+
 def _cleared_params(encoder: nn.Module) -> List[nn.Parameter]:
     params = [p for p in encoder.parameters() if p.requires_grad]
     for p in params:
@@ -712,6 +724,7 @@ def logit_dp_gradient(
     _refuse_hooks(encoder)
     _check_per_example(encoder)
     _check_pairs(xa, xb, method)
+    _check_precision(encoder, xa, xb)
     params = _cleared_params(encoder)
     if xa.shape[0] == 0:
         _fill_missing_grads(params)
@@ -746,8 +759,15 @@ def logit_dp_gradient(
 
 def naive_dp_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, loss: str, tau: float,
                       clip_norm: float) -> Dict[str, float]:
-    """Set ``.grad`` to the whole batch's loss gradient clipped to norm ``C`` (sensitivity ``2C``)."""
+    """Set ``.grad`` to the whole batch's loss gradient clipped to norm ``C`` (sensitivity ``2C``).
+
+    The released gradient's norm is at most ``C`` in exact arithmetic on the stored values: the float64 norm is
+    rounded up by its summation bound, and the factor leaves room for rounding the factor and each product in
+    the gradient's dtype (``(1 - 3u)(1 + u)^2 < 1``)."""
     _check_loss(loss, tau)
+    if not (clip_norm > 0):
+        raise ValueError(f"clip norm C must be positive, got {clip_norm}")
+    _check_precision(encoder, xa, xb)
     params = _cleared_params(encoder)
     if xa.shape[0] == 0:
         _fill_missing_grads(params)
@@ -755,10 +775,20 @@ def naive_dp_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, lo
     value = LOSS_FUNCTIONS[loss](pair_logits(encoder, xa, xb, tau))
     value.backward()
     _fill_missing_grads(params)
-    total = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))  # type: ignore[union-attr]
-    factor = min(1.0, clip_norm / max(float(total), 1e-300))
-    for p in params:
-        p.grad = p.grad * factor  # type: ignore[operator]
+    grads = [p.grad for p in params]
+    count = sum(g.numel() for g in grads)  # type: ignore[union-attr]
+    squared = float(sum((g.double() ** 2).sum() for g in grads))  # type: ignore[union-attr]
+    # float64 squares of float32/64 values are exact or one rounding; the sum adds at most count - 1 roundings
+    total = math.sqrt(squared * (1.0 + _gamma(count + 1, torch.float64)))
+    if not math.isfinite(total):
+        raise ValueError("the batch gradient is NaN or infinite (an overflow in the encoder): it cannot be clipped; "
+                         "rescale the inputs or the weights")
+    factor = 1.0
+    if total > clip_norm:
+        unit = max(torch.finfo(g.dtype).eps / 2 for g in grads)  # type: ignore[union-attr]
+        factor = clip_norm / total * (1.0 - 3.0 * unit)
+        for p in params:
+            p.grad = p.grad * factor  # type: ignore[operator]
     return {"loss": float(value.detach()), "clipped_fraction": float(factor < 1.0)}
 
 

@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .certified import BoundError
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
-           "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward"]
+           "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
+           "check_precision"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -140,7 +141,7 @@ class _Guard:
         return _Detached()
 
 
-def _check_precision(module: nn.Module, x: torch.Tensor) -> None:
+def check_precision(module: nn.Module, x: torch.Tensor) -> None:
     """The bounds are certified for float32/float64 arithmetic: a bfloat16 autocast forward was measured to give
     a per-example gradient 1.0006x its certified bound (``benchmarks/precision.py``), so reduced precision is
     refused wherever the output can reach a private step."""
@@ -184,7 +185,7 @@ class InputGuard(_Guard):
             raise BoundError("input contains NaN or infinite values")
         checked = module.training or torch.is_grad_enabled()
         if checked:
-            _check_precision(module, x)
+            check_precision(module, x)
         if checked and self.data_bound is not None and x.shape[0] > 0:
             largest = largest_norm(x, self.data_bound)
             if largest > self.data_bound * (1 + 1e-6):
