@@ -225,6 +225,29 @@ def test_fused_l2_norm_pool_matches_the_reference(shape, k) -> None:
     assert torch.autograd.gradgradcheck(lambda t: l2_norm_pool2d(t, k, 1e-10), (x,))
 
 
+@pytest.mark.parametrize("shape,k,channels_last", [((4, 6, 28, 28), 2, False), ((3, 4, 7, 9), 2, False),
+                                                    ((2, 3, 9, 11), 3, False), ((4, 6, 14, 14), 2, True)])
+def test_l2_norm_pool_float32_passes_match_the_window_formula(shape, k, channels_last) -> None:
+    """The strided float32 passes (forward sums of squares, backward x * g / r repeated over each window) give
+    the window formula: the forward within float32 rounding of the float64 window norms, never above them by
+    more, and the backward exactly; remainder rows and columns get no gradient."""
+    x = torch.randn(shape)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    out = l2_norm_pool2d(x, k, 1e-10)
+    exact = torch.sqrt(torch.nn.functional.avg_pool2d(x.detach().double() ** 2, k, stride=k) * k * k + 1e-10) - 1e-5
+    assert bool(((out.double() - exact).abs() <= 1e-6 * exact + 1e-7).all())
+    g = torch.randn(out.shape)
+    (grad,) = torch.autograd.grad(out, x, g)
+    rows, cols = out.shape[-2:]
+    scale = g / (out.detach() + 1e-5)
+    expected = torch.zeros(shape)
+    expected[..., : rows * k, : cols * k] = x.detach()[..., : rows * k, : cols * k] * scale.repeat_interleave(
+        k, -2).repeat_interleave(k, -1)
+    assert torch.equal(grad, expected)
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 30), cols=st.integers(1, 30), scale=st.floats(0.01, 1e4), seed=st.integers(0, 1000))
 def test_spectral_rescale_keeps_a_certified_bound_for_the_stored_weight(rows, cols, scale, seed) -> None:
