@@ -52,7 +52,7 @@ def _private(model, optimizer, x, y, **kwargs):
     return cl.PrivacyEngine().make_private(
         module=model, optimizer=optimizer, data=cl.ArrayDataset(x, y), loss=cl.TauCrossEntropy(4.0),
         noise_multiplier=kwargs.pop("noise_multiplier", 1.0), input_shape=SHAPE, batch_size=16.0, input_bound=4.0,
-        noise_generator=make_generator(7, stream=2), **kwargs)
+        noise_generator=make_generator(7, stream=2), external_batches=True, **kwargs)
 
 
 def _worker(rank: int, size: int, init: str, out: str, scenario: str) -> None:

@@ -89,7 +89,8 @@ def _engine_setup(**kw):
     model = _model()
     engine = cl.PrivacyEngine("rdp")
     args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=_data(),
-                loss=cl.TauCrossEntropy(4.0), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0)
+                loss=cl.TauCrossEntropy(4.0), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0,
+                external_batches=True)  # some tests step on batches built by hand
     args.update(kw)
     return (engine, *engine.make_private(**args))
 
@@ -339,7 +340,7 @@ def test_noise_drawn_per_parameter_is_the_plan():
     model, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data=_data(), loss=cl.TauCrossEntropy(),
         noise_multiplier=2.0, input_shape=SHAPE, batch_size=8.0, strategy="per_layer",
-        layer_noise_multipliers={"2": 1.0, "4": 3.0})
+        layer_noise_multipliers={"2": 1.0, "4": 3.0}, external_batches=True)
     plan = opt.plan
     draws = {name: [] for name in plan.layer_sigmas}
     released = capture_released(opt)
@@ -542,7 +543,7 @@ def _private(model):
     data = cl.ArrayDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
     return cl.PrivacyEngine("rdp").make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                                 data=data, loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
-                                                input_shape=(8,), batch_size=8.0)
+                                                input_shape=(8,), batch_size=8.0, external_batches=True)
 
 
 def test_parameters_shared_between_layers_refused():
@@ -637,7 +638,7 @@ def test_eval_mode_forward_with_gradients_is_guarded():
     engine = cl.PrivacyEngine("rdp")
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                         data=_data(), loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
-                                        input_shape=SHAPE, batch_size=8.0, input_bound=1.0)
+                                        input_shape=SHAPE, batch_size=8.0, input_bound=1.0, external_batches=True)
     big = torch.full((2, *SHAPE), 10.0)  # norm 40 > input_bound 1
     model.eval()
     with pytest.raises(BoundError, match="input_bound"):

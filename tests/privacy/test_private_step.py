@@ -25,6 +25,7 @@ def small_setup(strategy="global", noise=1.0, batch_size=8.0, lr=0.0, layer_nois
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data=data, loss=loss,
         noise_multiplier=noise, input_shape=SHAPE, batch_size=batch_size, strategy=strategy,
         layer_noise_multipliers=layer_noise, noise_generator=torch.Generator().manual_seed(1),
+        external_batches=True,  # the tests step on chosen batches
     )
     return model, opt, loader, loss, engine, data
 

@@ -23,6 +23,8 @@ SHAPE = (6,)
 
 
 def _setup(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=torch.optim.SGD, **kw):
+    """A batch built by hand (the first 16 records): each test checks one slip on a fixed batch."""
+    kw.setdefault("external_batches", True)
     model, opt, loss, engine, data, _ = _setup_with_loader(lr, noise, loss, model, optimizer_cls, **kw)
     return model, opt, loss, engine, data.features[:16], data.labels[:16]
 
@@ -124,6 +126,45 @@ def test_each_step_must_release_exactly_one_new_batch_of_the_loader(slip):
         loss.per_example(model(bx), by).sum().backward()
         message = _refused(opt, engine, "2 batches were drawn from the private loader since the last step")
         assert "empty batches included" in message
+
+
+@pytest.mark.parametrize("source", ["shuffled_dataloader", "hand_built"])
+def test_a_batch_not_drawn_from_the_private_loader_is_refused(source):
+    """A user's own ``DataLoader(data, batch_size=16, shuffle=True)`` samples without replacement at a fixed
+    size; the accountant composes Poisson samples.  Before, its batches were released and accounted as Poisson
+    ones (4 steps: epsilon 0.24 at delta 1e-5 on the digits, README loop, no warning)."""
+    model, opt, loss, engine, data, loader = _setup_with_loader()
+    if source == "shuffled_dataloader":
+        bx, by = next(iter(torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)))
+    else:
+        bx, by = data.features[:16], data.labels[:16]
+    loss.per_example(model(bx), by).sum().backward()
+    message = _refused(opt, engine, "not drawn from the Poisson loader that make_private returned")
+    assert "external_batches=True" in message
+    # the returned loader's batches are accepted after the refusal (the refused step spent nothing)
+    opt.zero_grad()
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
+def test_external_batches_lifts_only_the_never_drawn_check():
+    """``external_batches=True``: a loop that draws its own Poisson batches steps on them; once it draws from
+    the returned loader, each step must still release exactly one new batch of it."""
+    model, opt, loss, engine, data, loader = _setup_with_loader(external_batches=True)
+    for _ in range(2):
+        opt.zero_grad()
+        loss.per_example(model(data.features[:16]), data.labels[:16]).sum().backward()
+        opt.step()
+    assert engine.accountant.steps == 2
+    bx, by = next(iter(loader))
+    opt.zero_grad()
+    loss.per_example(model(bx), by).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    loss.per_example(model(bx), by).sum().backward()
+    _refused(opt, engine, "no new batch was drawn from the private loader")
 
 
 @pytest.mark.parametrize("slip", ["duplicated_row", "augmented_copy_without_multiplicity"])

@@ -59,7 +59,7 @@ def _setup(k=K, clip=None):
     model, opt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=loss,
         noise_multiplier=1e-12, input_shape=SHAPE, batch_size=8.0, input_bound=6.0,
-        augmentation_multiplicity=k)
+        augmentation_multiplicity=k, external_batches=True)
     return model, opt, loss, engine, x[:8], data.labels[:8]
 
 

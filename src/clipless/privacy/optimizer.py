@@ -93,6 +93,7 @@ class DPOptimizer:
         bound_engine.project_()  # start from feasible weights
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
+        self._external_batches = False
         self._steps_released = 0  # by this optimizer, in this process
         self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
                                [p for layer in report.layers for p in layer.params],
@@ -124,16 +125,19 @@ class DPOptimizer:
                                      "(added after make_private, or frozen when the bounds were computed); "
                                      "call make_private again")
 
-    def watch_batches(self, loader: PoissonDataLoader) -> None:
-        """Each step must then release exactly one new batch of ``loader``, once the loop has drawn from it.
+    def watch_batches(self, loader: PoissonDataLoader, external_batches: bool = False) -> None:
+        """Each step must then release exactly one new batch of ``loader``.
 
         The accountant composes one Poisson-subsampled Gaussian per step.  Two steps on one batch are not two
         independent samples, and one step on the sum of several batches has per-step inclusion rate about
-        ``k q``, not ``q`` (an example may also appear in several, doubling its sensitivity).  A refused step
-        spends the batches drawn before it.  Batches built by hand, never drawn from the loader, cannot be
-        checked (as in Opacus)."""
+        ``k q``, not ``q`` (an example may also appear in several, doubling its sensitivity).  A step before the
+        loop has drawn anything from ``loader`` is refused too: its batch came from elsewhere (a shuffled,
+        fixed-size ``DataLoader`` is not Poisson sampling), unless ``external_batches`` says the caller draws
+        Poisson batches at the same rate itself; those, and rows mixing several examples, cannot be checked.
+        A refused step spends the batches drawn before it."""
         self._batches = loader
         self._batches_released = loader.batches_drawn
+        self._external_batches = bool(external_batches)
 
     def _loader_in_use(self) -> Optional[PoissonDataLoader]:
         """The watched loader once the loop has drawn from it (hand-built batches are not checked)."""
@@ -142,6 +146,11 @@ class DPOptimizer:
     def _check_one_new_batch(self) -> None:
         loader = self._loader_in_use()
         if loader is None:
+            if self._batches is not None and not self._external_batches:
+                raise BoundError("this step's batch was not drawn from the Poisson loader that make_private returned: "
+                                 "the accountant composes Poisson-sampled steps at the sample rate, which a shuffled "
+                                 "or fixed-size DataLoader is not; iterate over the returned loader (if you draw "
+                                 "Poisson batches at that rate yourself, pass external_batches=True to make_private)")
             return
         new = loader.batches_drawn - self._batches_released
         if new == 0:

@@ -90,6 +90,7 @@ class PrivacyEngine:
         sampling_generator: Optional[torch.Generator] = None,
         distributed: Optional[bool] = None,
         augmentation_multiplicity: int = 1,
+        external_batches: bool = False,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(module, dp_optimizer, poisson_loader)``.
 
@@ -111,6 +112,9 @@ class PrivacyEngine:
         augmented rows; backpropagate the mean of its ``K`` per-row losses, summed over the examples
         (``per_example.view(K, -1).mean(0).sum()`` for ``K`` stacked copies of the batch).  The per-example
         bound, the noise and the accounting are unchanged: the mean of ``K`` gradients within the bound is.
+        Each step must release exactly one new batch of ``poisson_loader``; ``external_batches=True`` lifts
+        that check for a loop that draws Poisson batches at rate ``batch_size / len(data)`` by other means
+        (the accountant assumes it does; nothing can check it).
         """
         if not isinstance(loss, LipschitzLoss):
             raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
@@ -133,6 +137,7 @@ class PrivacyEngine:
                 "noise randomness": "fixed generator" if noise_generator is not None else "os-entropy",
                 "sampling randomness": "fixed generator" if sampling_generator is not None else "os-entropy",
                 "augmentation_multiplicity": augmentation_multiplicity,
+                "external_batches": bool(external_batches),
             }, "make_private")
             if sampling_generator is not None:
                 state = sampling_generator.get_state().cpu().numpy().tobytes()
@@ -177,7 +182,7 @@ class PrivacyEngine:
         else:
             loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
                                          steps_per_epoch=steps_per_epoch)
-        dp_optimizer.watch_batches(loader)
+        dp_optimizer.watch_batches(loader, external_batches)
         return wrapped, dp_optimizer, loader
 
     def make_private_with_epsilon(
