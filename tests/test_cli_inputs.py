@@ -337,3 +337,16 @@ def test_loss_gradient_clip_can_be_turned_off_from_flags(tmp_path) -> None:
     assert config("--config", str(recipe), "--no-loss-grad-clip")["loss_grad_clip"] is None
     with pytest.raises(SystemExit):
         config("--loss-grad-clip", "0.5", "--no-loss-grad-clip")
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path, capsys, monkeypatch):
+    """Piped or logged output (CI, ``| tee``) got one redrawn bar per epoch, with ``\\r``; bars now default to on
+    only when stderr is a terminal, and ``--no-progress`` still turns them off there."""
+    fast = [f for f in FAST if f != "--no-progress"]
+    main(["train", *fast, "--output-dir", str(tmp_path / "piped")])
+    assert "it/s" not in capsys.readouterr().err
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    main(["train", *fast, "--output-dir", str(tmp_path / "terminal")])
+    assert "epoch 1" in capsys.readouterr().err
+    main(["train", *FAST, "--output-dir", str(tmp_path / "off")])
+    assert "it/s" not in capsys.readouterr().err

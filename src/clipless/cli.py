@@ -321,7 +321,7 @@ def _parser() -> argparse.ArgumentParser:
         "loss/accuracy of the training batches", "fraction of clipped pair gradients"))
     pre.add_argument("--output-dir", default="runs/pretrain")
     pre.add_argument("--resume", action="store_true", help="resume from output-dir/checkpoint.pt")
-    pre.add_argument("--no-progress", dest="progress", action="store_false")
+    pre.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 
     kl = sub.add_parser("kl-study", help="KL privacy of noisy GD without clipping (two-class MNIST); JSON + PNG plots")
     kl.add_argument("--data-dir", required=True, help="directory with the MNIST IDX .gz files")
@@ -341,12 +341,17 @@ def _parser() -> argparse.ArgumentParser:
     kl.add_argument("--runs", type=int, default=2, help="independent runs (init and noise seeds) per configuration")
     kl.add_argument("--seed", type=int, default=0)
     kl.add_argument("--output-dir", default="runs/kl-study")
-    kl.add_argument("--no-progress", dest="progress", action="store_false")
+    kl.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     return parser
 
 
 # What a resumed run may change: nothing here touches the privacy analysis, the model or the data.
 RESUME_APPLICABLE = ("lr", "progress", "log_train_stats", "data_dir", "output_dir", "resume")
+
+
+def _on_a_terminal() -> bool:
+    """Progress bars by default only where someone watches: redrawn bars fill logs and pipes with ``\r`` lines."""
+    return sys.stderr.isatty()
 
 
 def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
@@ -363,6 +368,8 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
         flags["loss_grad_clip"] = None
     config.update(validate(flags))
     explicit |= set(flags)
+    if "progress" not in explicit:
+        config["progress"] = _on_a_terminal()
     if config["epsilon"] is None and config["noise_multiplier"] is None:
         raise SystemExit("--epsilon: give a target epsilon or a --noise-multiplier")
     if config["resume"]:
@@ -724,8 +731,8 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         tau=args.tau, clip_norm=args.clip_norm, batch_size=args.batch_size, epochs=args.epochs,
         delta=args.delta, target_epsilon=None if args.noise_multiplier else args.epsilon,
         noise_multiplier=args.noise_multiplier, accountant=args.accountant, noise_seed=args.noise_seed,
-        eval_pairs=eval_pairs, progress=args.progress, checkpoint_path=out_dir / "checkpoint.pt",
-        log_train_stats=args.log_train_stats,
+        eval_pairs=eval_pairs, progress=_on_a_terminal() if args.progress is None else args.progress,
+        checkpoint_path=out_dir / "checkpoint.pt", log_train_stats=args.log_train_stats,
     )
     if args.resume:
         ckpt = out_dir / "checkpoint.pt"
@@ -906,6 +913,7 @@ def _run(args: argparse.Namespace) -> int:
 
         options = {k: v for k, v in vars(args).items() if k != "command"}
         options["digits"] = tuple(options["digits"])
+        options["progress"] = _on_a_terminal() if options["progress"] is None else options["progress"]
         for key in ("inits", "widths", "depths"):
             options[key] = tuple(options[key])
         study = main_kl_study(KLStudyConfig(**options))
