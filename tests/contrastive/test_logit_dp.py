@@ -473,6 +473,23 @@ def test_checkpoint_keeps_accountant(tmp_path) -> None:
         t.load_checkpoint(tmp_path / "c.pt")
 
 
+@pytest.mark.parametrize("seed", [None, 0])
+def test_a_resumed_pretrainer_draws_fresh_secret_randomness(tmp_path, seed) -> None:
+    """As for classification: two resumes of one secret run's checkpoint must not share noise or batches
+    (before, they were bit-identical); a seeded run's resume continues its streams."""
+    first = _trainer("naive_dp", epochs=2, noise_seed=seed)
+    first.epochs = 1
+    first.fit()
+    first.save_checkpoint(tmp_path / "c.pt")
+    forks = []
+    for _ in range(2):
+        fork = _trainer("naive_dp", epochs=2, noise_seed=seed)
+        fork.load_checkpoint(tmp_path / "c.pt")
+        fork.fit()
+        forks.append(torch.cat([p.detach().flatten() for p in fork.encoder.parameters()]))
+    assert torch.equal(forks[0], forks[1]) is (seed is not None)
+
+
 def test_bad_input_errors() -> None:
     with pytest.raises(ValueError, match="delta"):
         _trainer("logit_dp", delta=0.01)

@@ -212,6 +212,25 @@ def test_a_saved_state_cannot_roll_back_released_steps():
     assert torch.equal(opt.generator.get_state(), drawn) and engine.accountant.steps == 1
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_forks_of_one_saved_state_draw_independent_secret_noise(seeded):
+    """Two optimizers loading one saved state (two resumes of a checkpoint): before, both restored the secret
+    noise stream and released the same noise on the same batch (lr 0: identical releases), so the difference of
+    two forks' releases carried no noise.  A secret stream now stays fresh; a given (seeded) generator is still
+    restored, for reproducible experiments."""
+    saved = _setup(lr=0.0)[1].state_dict()
+    releases = []
+    for _ in range(2):
+        kw = {"noise_generator": torch.Generator().manual_seed(3)} if seeded else {}
+        model, opt, loss, engine, x, y = _setup(lr=0.0, **kw)
+        opt.load_state_dict(saved)
+        released = capture_released(opt)
+        loss.per_example(model(x), y).sum().backward()
+        opt.step()
+        releases.append(torch.cat([g.flatten() for g in released[0].values()]))
+    assert torch.equal(releases[0], releases[1]) is seeded
+
+
 @pytest.mark.parametrize("how", ["autocast_bfloat16", "half", "bfloat16"])
 def test_reduced_precision_forwards_refused(how):
     """A bfloat16 autocast forward gave a per-example gradient 1.0006x its certified bound (256-256 MLP, 300

@@ -291,7 +291,8 @@ class ContrastivePretrainer:
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
         self.steps, self.epoch, self.history, self._wall = state["steps"], state["epoch"], state["history"], state["wall"]
-        self.noise_generator.set_state(state["noise_rng"])
-        self.loader.batch_sampler.generator.set_state(state["sampling_rng"])  # type: ignore[union-attr]
+        if self.noise_seed is not None:  # secret streams stay fresh: two resumes must not share noise or batches
+            self.noise_generator.set_state(state["noise_rng"])
+            self.loader.batch_sampler.generator.set_state(state["sampling_rng"])  # type: ignore[union-attr]
         if state.get("pairs") is not None and hasattr(self.pairs, "load_state_dict"):
             self.pairs.load_state_dict(state["pairs"])

@@ -86,6 +86,8 @@ class DPOptimizer:
         self.augmentation_multiplicity = augmentation_multiplicity
         self._bounded = {id(p) for layer in report.layers for p in layer.params}
         self._check_covered()
+        # a secret stream is never restored from a saved state (load_state_dict): forks must not share noise
+        self._secret_noise = generator is None
         self.generator = generator if generator is not None else secret_generator(
             next(bound_engine.model.parameters()).device)
         self.last_report: Optional[BoundReport] = report
@@ -265,9 +267,14 @@ class DPOptimizer:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """The inner optimizer's state, and the noise generator's when it was given (a fixed seed, for a
+        reproducible experiment).  A secret generator keeps its fresh OS-entropy state: the noise only has to be
+        secret, and two runs resumed from one state would otherwise draw the same noise, so that the
+        difference of their releases would show the difference of their gradients without noise."""
         check_nothing_released(self._steps_released, "this private optimizer")
         self.original_optimizer.load_state_dict(state["optimizer"])
-        self.generator.set_state(state["noise_generator"])
+        if not self._secret_noise:
+            self.generator.set_state(state["noise_generator"])
 
     def __repr__(self) -> str:
         return (

@@ -138,7 +138,9 @@ class PrivateTrainer:
             target_epsilon=target_epsilon,
             target_delta=delta,
             epochs=epochs,
-            noise_generator=make_generator(noise_seed, next(model.parameters()).device, stream=2),
+            # None: the optimizer's own secret generator, which a resume draws afresh (DPOptimizer.load_state_dict)
+            noise_generator=None if noise_seed is None else make_generator(noise_seed, next(model.parameters()).device,
+                                                                          stream=2),
             sampling_generator=self.sampling_generator,
             distributed=distributed,
             augmentation_multiplicity=augmentation_multiplicity,
@@ -347,7 +349,9 @@ class PrivateTrainer:
 
     def load_checkpoint(self, path: Union[str, Path]) -> None:
         """Resume; refuses a checkpoint without accountant state or with another privacy configuration, and a
-        trainer that has already released steps (a rollback)."""
+        trainer that has already released steps (a rollback).  A seeded run continues its saved noise, sampling
+        and augmentation streams; a private run keeps its fresh OS-entropy ones (two resumes of one checkpoint
+        must not share noise or batches)."""
         check_nothing_released(self.steps, "this trainer")
         state = load_checkpoint(path, map_location=self.device)
         accountant_state = state.get("accountant")
@@ -395,10 +399,11 @@ class PrivateTrainer:
             self.averaged_model.load_state_dict(state["averaged_model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.accountant.load_state_dict(state["accountant"])
-        streams = rank_streams[self.rank]
-        self.sampling_generator.set_state(streams["sampling_generator"])
-        if self.augment_generator is not None and streams.get("augment_generator") is not None:
-            self.augment_generator.set_state(streams["augment_generator"])
+        if self.noise_seed is not None:  # secret streams stay fresh: two resumes must not draw the same batches
+            streams = rank_streams[self.rank]
+            self.sampling_generator.set_state(streams["sampling_generator"])
+            if self.augment_generator is not None and streams.get("augment_generator") is not None:
+                self.augment_generator.set_state(streams["augment_generator"])
         self._rank_streams = (state["steps"], rank_streams)
         self.steps, self.epoch = state["steps"], state["epoch"]
         self.history = list(state.get("history", []))
