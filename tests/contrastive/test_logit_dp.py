@@ -303,13 +303,14 @@ def test_naive_dp_sensitivity_two_c() -> None:
         assert float((full - _grad_vector(enc)).norm()) <= naive_dp_sensitivity(0.1) * (1 + 1e-9)
 
 
-def test_naive_dp_released_gradient_never_exceeds_c_in_float32() -> None:
-    """Before, the factor C / ||g|| was applied in float32 and half of these released gradients had a norm
-    above C (by up to 5e-8 relative): the sensitivity 2C held only up to rounding."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_naive_dp_released_gradient_never_exceeds_c(dtype) -> None:
+    """Before, the factor C / ||g|| was applied as is: half of these float32 released gradients had a norm
+    above C (by up to 5e-8 relative), so the sensitivity 2C held only up to rounding."""
     for seed in range(40):
-        enc = _mlp(seed, dims=(12, 32, 32, 8), act=nn.ReLU, scale=3.0, dtype=torch.float32)
+        enc = _mlp(seed, dims=(12, 32, 32, 8), act=nn.ReLU, scale=3.0, dtype=dtype)
         gen = torch.Generator().manual_seed(seed)
-        xa, xb = torch.randn(6, 12, generator=gen), torch.randn(6, 12, generator=gen)
+        xa, xb = torch.randn(6, 12, generator=gen, dtype=dtype), torch.randn(6, 12, generator=gen, dtype=dtype)
         clip = 1e-3
         stats = naive_dp_gradient(enc, xa, xb, "contrastive", 1.0, clip)
         assert stats["clipped_fraction"] == 1.0

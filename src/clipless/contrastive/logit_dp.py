@@ -762,8 +762,8 @@ def naive_dp_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, lo
     """Set ``.grad`` to the whole batch's loss gradient clipped to norm ``C`` (sensitivity ``2C``).
 
     The released gradient's norm is at most ``C`` in exact arithmetic on the stored values: the float64 norm is
-    rounded up by its summation bound, and the factor leaves room for rounding the factor and each product in
-    the gradient's dtype (``(1 - 3u)(1 + u)^2 < 1``)."""
+    rounded up by its summation bound, and the factor's ``1 - 8u`` (``u`` of the gradient's dtype) covers the
+    roundings of the norm's square root, of the factor and of each product (at most ``5.5u`` together)."""
     _check_loss(loss, tau)
     if not (clip_norm > 0):
         raise ValueError(f"clip norm C must be positive, got {clip_norm}")
@@ -786,7 +786,7 @@ def naive_dp_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, lo
     factor = 1.0
     if total > clip_norm:
         unit = max(torch.finfo(g.dtype).eps / 2 for g in grads)  # type: ignore[union-attr]
-        factor = clip_norm / total * (1.0 - 3.0 * unit)
+        factor = clip_norm / total * (1.0 - 8.0 * unit)
         for p in params:
             p.grad = p.grad * factor  # type: ignore[operator]
     return {"loss": float(value.detach()), "clipped_fraction": float(factor < 1.0)}

@@ -142,7 +142,7 @@ class DPOptimizer:
         self._external_batches = bool(external_batches)
 
     def _loader_in_use(self) -> Optional[PoissonDataLoader]:
-        """The watched loader once the loop has drawn from it (hand-built batches are not checked)."""
+        """The watched loader once the loop has drawn from it (None before: see :meth:`_check_one_new_batch`)."""
         return self._batches if self._batches is not None and self._batches.batches_drawn else None
 
     def _check_one_new_batch(self) -> None:
