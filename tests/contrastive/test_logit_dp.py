@@ -491,6 +491,24 @@ def test_a_resumed_pretrainer_draws_fresh_secret_randomness(tmp_path, seed) -> N
     assert torch.equal(forks[0], forks[1]) is (seed is not None)
 
 
+@pytest.mark.parametrize("seed", [None, 0])
+def test_copies_of_a_pretrainer_draw_their_own_noise_and_batches(seed) -> None:
+    """``copy.deepcopy`` of a pre-trainer (two forks of a run, say for a learning-rate search): before, the copy
+    replayed the original's secret noise and batches, so the difference of the two releases carried no noise.
+    Secret generators now copy as fresh ones (also when pickled); seeded ones still copy exactly."""
+    import pickle
+
+    original = _trainer("naive_dp", epochs=1, noise_seed=seed)
+    copied = copy.deepcopy(original)
+    pickled = pickle.loads(pickle.dumps(original.noise_generator))
+    assert torch.equal(pickled.get_state(), original.noise_generator.get_state()) is (seed is not None)
+    weights = []
+    for run in (original, copied):
+        run.fit()
+        weights.append(torch.cat([p.detach().flatten() for p in run.encoder.parameters()]))
+    assert torch.equal(weights[0], weights[1]) is (seed is not None)
+
+
 def test_bad_input_errors() -> None:
     with pytest.raises(ValueError, match="delta"):
         _trainer("logit_dp", delta=0.01)

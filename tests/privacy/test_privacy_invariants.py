@@ -79,6 +79,23 @@ def test_secret_generator_state_is_not_a_32_bit_seed():
     assert not torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
 
 
+def test_a_secret_generator_is_never_duplicated():
+    """Deep copies and pickled copies of a secret generator are fresh secret generators (a copied run must not
+    replay the original's noise or batches); a seeded generator copies exactly (reproducible experiments)."""
+    import copy
+    import pickle
+
+    gen = secret_generator()
+    for duplicate in (copy.deepcopy(gen), pickle.loads(pickle.dumps(gen)), copy.deepcopy({"a": gen, "b": gen})["a"]):
+        assert isinstance(duplicate, torch.Generator)
+        assert not torch.equal(duplicate.get_state(), gen.get_state())
+        assert not torch.equal(torch.rand(8, generator=duplicate), torch.rand(8, generator=gen))
+    both = copy.deepcopy({"a": gen, "b": gen})
+    assert both["a"] is both["b"]  # one copy per generator, shared where it was shared
+    seeded = torch.Generator().manual_seed(3)
+    assert torch.equal(copy.deepcopy(seeded).get_state(), seeded.get_state())
+
+
 def test_poisson_sampler_default_batches_differ_between_instances():
     first = [list(b) for b in cl.PoissonBatchSampler(1000, 0.1, steps_per_epoch=3)]
     second = [list(b) for b in cl.PoissonBatchSampler(1000, 0.1, steps_per_epoch=3)]

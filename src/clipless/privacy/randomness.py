@@ -33,10 +33,25 @@ def secret_seed(bits: int = 64) -> int:
     return int.from_bytes(os.urandom((bits + 7) // 8), "little") % (1 << bits)
 
 
+class _SecretGenerator(torch.Generator):
+    """A generator that is never duplicated: a deep copy or an unpickled copy is a fresh secret generator.
+
+    Copies of a run (``copy.deepcopy`` of a model and its private optimizer for a hyperparameter search, say)
+    would otherwise draw the same noise and batches, and the difference of two copies' releases would carry no
+    noise.  Checkpoints keep states through ``get_state``; a private resume does not restore them."""
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_SecretGenerator":
+        return secret_generator(self.device)
+
+    def __reduce__(self) -> Any:
+        return secret_generator, (str(self.device),)
+
+
 def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generator:
-    """A generator whose state comes from OS entropy (>= 64 bits; 19,968 bits on CPU)."""
+    """A generator whose state comes from OS entropy (>= 64 bits; 19,968 bits on CPU); copies of it are fresh
+    secret generators, never replicas."""
     device = torch.device(device)
-    generator = torch.Generator(device=device)
+    generator = _SecretGenerator(device=device)
     if device.type != "cpu":
         generator.manual_seed(secret_seed(64))
         return generator
