@@ -189,8 +189,9 @@ class InputGuard(_Guard):
         if checked and self.data_bound is not None and x.shape[0] > 0:
             largest = largest_norm(x, self.data_bound)
             if largest > self.data_bound * (1 + 1e-6):
+                # the norm itself is not shown: error messages reach logs, and it is a statistic of a record
                 raise BoundError(
-                    f"an input has norm {largest:.6g} > declared input_bound {self.data_bound:.6g}: the "
+                    f"an input of the batch has a norm above the declared input_bound {self.data_bound:.6g}: the "
                     "sensitivity would be wrong; clip the data (InputNormClip) or raise input_bound"
                 )
 
@@ -508,8 +509,8 @@ class StepGuard:
             why = ("the private model's output received gradient from outside its clipless loss: the per-example "
                    "bound assumes the loss is the only use of the output")
         elif largest > lipschitz * (1 + _LOGIT_GRAD_TOL):
-            why = (f"an example's loss gradient has norm {largest:.6g} > the loss constant "
-                   f"L = {lipschitz:.6g}: the certified bound does not cover it")
+            why = (f"an example's loss gradient has a norm above the loss constant L = {lipschitz:.6g} (the loss "
+                   "declares a wrong constant): the certified bound does not cover it")
         elif self._weights_differ(record.snapshot):
             why = "the weights changed between the forward and its backward: the bounds are those of other weights"
         else:
@@ -615,11 +616,11 @@ class StepGuard:
             norm = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad.double())) ** 2
                                  for p in layer.params if p.grad is not None))
             if norm > mass * layer.bound * (1 + _SUM_CHECK_TOL):
-                raise BoundError(
-                    f"layer '{layer.name}': the summed gradient has norm {norm:.6g} > {mass * layer.bound:.6g}, the "
-                    f"most {mass:.6g} examples' worth of gradient can have under the certified per-example bound "
-                    f"{layer.bound:.6g}: the backward was changed (a hook on an autograd node?) or the layer declares "
-                    "a wrong bound; call optimizer.zero_grad() and run the batch again")
+                raise BoundError(  # without the norms: they are un-noised statistics of the batch
+                    f"layer '{layer.name}': the summed gradient has a norm above what the batch's examples can have "
+                    f"under the certified per-example bound {layer.bound:.6g}: the backward was changed (a hook on an "
+                    "autograd node?) or the layer declares a wrong bound; call optimizer.zero_grad() and run the "
+                    "batch again")
 
     def released_rows(self) -> int:
         """Rows of the private model's output whose backward this step releases (micro-batches summed)."""

@@ -174,8 +174,9 @@ class DPOptimizer:
             return
         rows, k = self.guard.released_rows(), self.augmentation_multiplicity
         if rows > k * drawn:
-            raise BoundError(f"the backward carried {rows} rows of the private model's output for a batch of {drawn} "
-                             f"drawn from the private loader (augmentation multiplicity K = {k}): an example used in "
+            # without the counts: a Poisson batch's size is secret
+            raise BoundError(f"the backward carried more rows of the private model's output than K = {k} times the "
+                             "batch drawn from the private loader (K: augmentation multiplicity): an example used in "
                              "several rows, each with loss weight 1, has several times the certified sensitivity; "
                              "for augmented copies pass augmentation_multiplicity=K to make_private and backpropagate "
                              "the mean over each example's K rows")
