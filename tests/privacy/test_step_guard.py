@@ -213,6 +213,17 @@ def test_a_saved_state_cannot_roll_back_released_steps():
     assert torch.equal(opt.generator.get_state(), drawn) and engine.accountant.steps == 1
 
 
+def test_a_compiled_training_forward_is_refused_clearly():
+    """``torch.compile(model)`` of the private model: before, its training forward died inside dynamo with
+    "InternalTorchDynamoError: AttributeError: 'NoneType' object has no attribute 'is_nested'"; now a BoundError
+    says why and what to do.  Nothing is accounted."""
+    model, opt, loss, engine, x, y = _setup()
+    compiled = torch.compile(model)
+    with pytest.raises(BoundError, match="runs under torch.compile"):
+        compiled(x)
+    assert engine.accountant.steps == 0
+
+
 @pytest.mark.parametrize("seeded", [False, True])
 def test_forks_of_one_saved_state_draw_independent_secret_noise(seeded):
     """Two optimizers loading one saved state (two resumes of a checkpoint): before, both restored the secret

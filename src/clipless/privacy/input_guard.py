@@ -160,6 +160,14 @@ def check_precision(module: nn.Module, x: torch.Tensor) -> None:
 _CERTIFIED_DTYPES = (torch.float32, torch.float64)
 
 
+@torch.compiler.disable
+def _refuse_compile() -> None:
+    """Raised eagerly (a compiled frame cannot raise it itself): the guards watch eager operations."""
+    raise BoundError("the private model runs under torch.compile: the step guard and the input checks watch eager "
+                     "operations, so a compiled forward is not supported; train the private model eagerly (compile "
+                     "the trained model for inference, e.g. after clipless.export)")
+
+
 class InputGuard(_Guard):
     """Forward pre-hook that refuses inputs the privacy analysis does not cover.
 
@@ -175,6 +183,8 @@ class InputGuard(_Guard):
         self.handle = model.register_forward_pre_hook(self)
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() and (module.training or torch.is_grad_enabled()):
+            _refuse_compile()
         if not args or not isinstance(args[0], torch.Tensor):
             raise BoundError("the private model takes one tensor input")
         x = args[0]
