@@ -22,7 +22,7 @@ from ..privacy.accounting import PrivacyAccountant, check_accounted_steps, check
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
 from ..privacy.distributed import world
-from ..privacy.randomness import make_generator, randomness_label
+from ..privacy.randomness import make_generator, randomness_label, resume_generator
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
 from ..train.checkpoint import check_fits, load_checkpoint, save_checkpoint
 from .logit_dp import (
@@ -291,8 +291,7 @@ class ContrastivePretrainer:
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
         self.steps, self.epoch, self.history, self._wall = state["steps"], state["epoch"], state["history"], state["wall"]
-        if self.noise_seed is not None:  # secret streams stay fresh: two resumes must not share noise or batches
-            self.noise_generator.set_state(state["noise_rng"])
-            self.loader.batch_sampler.generator.set_state(state["sampling_rng"])  # type: ignore[union-attr]
+        resume_generator(self.noise_generator, state["noise_rng"])
+        resume_generator(self.loader.batch_sampler.generator, state["sampling_rng"])  # type: ignore[union-attr]
         if state.get("pairs") is not None and hasattr(self.pairs, "load_state_dict"):
             self.pairs.load_state_dict(state["pairs"])

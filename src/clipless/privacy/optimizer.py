@@ -25,7 +25,7 @@ from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
 from .input_guard import StepGuard, unwatched
 from .modules import step_mechanisms
 from .noise import add_noise_
-from .randomness import secret_generator
+from .randomness import resume_generator, secret_generator
 from .sampling import PoissonDataLoader
 
 __all__ = ["DPOptimizer"]
@@ -86,8 +86,6 @@ class DPOptimizer:
         self.augmentation_multiplicity = augmentation_multiplicity
         self._bounded = {id(p) for layer in report.layers for p in layer.params}
         self._check_covered()
-        # a secret stream is never restored from a saved state (load_state_dict): forks must not share noise
-        self._secret_noise = generator is None
         self.generator = generator if generator is not None else secret_generator(
             next(bound_engine.model.parameters()).device)
         self.last_report: Optional[BoundReport] = report
@@ -274,8 +272,7 @@ class DPOptimizer:
         difference of their releases would show the difference of their gradients without noise."""
         check_nothing_released(self._steps_released, "this private optimizer")
         self.original_optimizer.load_state_dict(state["optimizer"])
-        if not self._secret_noise:
-            self.generator.set_state(state["noise_generator"])
+        resume_generator(self.generator, state["noise_generator"])
 
     def __repr__(self) -> str:
         return (

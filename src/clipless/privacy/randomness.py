@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-__all__ = ["secret_generator", "make_generator", "randomness_label", "secret_seed"]
+__all__ = ["secret_generator", "make_generator", "randomness_label", "secret_seed", "resume_generator"]
 
 # Layout of the CPU generator state (ATen CPUGeneratorImplState): initial seed (u64), left (i32),
 # seeded (i32), next (u64), then the 624 Mersenne Twister words stored as u64.
@@ -67,6 +67,14 @@ def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generato
                        state[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS]):
         raise RuntimeError("torch did not accept the entropy-filled generator state")
     return generator
+
+
+def resume_generator(generator: torch.Generator, state: Optional[torch.Tensor]) -> None:
+    """Continue a saved stream on resume, unless ``generator`` is secret: a secret stream only has to be
+    unknown, and two runs resumed from one saved state would otherwise draw the same noise and batches (the
+    difference of their releases would carry no noise).  A seeded stream continues, for reproducibility."""
+    if state is not None and not isinstance(generator, _SecretGenerator):
+        generator.set_state(state)
 
 
 def make_generator(seed: Optional[int], device: Union[str, torch.device] = "cpu", stream: int = 0) -> torch.Generator:

@@ -24,7 +24,7 @@ from ..privacy.accounting import check_accounted_steps, check_delta, check_nothi
 from ..privacy.modules import LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
-from ..privacy.randomness import make_generator, randomness_label
+from ..privacy.randomness import make_generator, randomness_label, resume_generator
 from ..privacy.sampling import expected_batch_size
 from .checkpoint import check_fits, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, predictions
@@ -138,9 +138,7 @@ class PrivateTrainer:
             target_epsilon=target_epsilon,
             target_delta=delta,
             epochs=epochs,
-            # None: the optimizer's own secret generator, which a resume draws afresh (DPOptimizer.load_state_dict)
-            noise_generator=None if noise_seed is None else make_generator(noise_seed, next(model.parameters()).device,
-                                                                          stream=2),
+            noise_generator=make_generator(noise_seed, next(model.parameters()).device, stream=2),
             sampling_generator=self.sampling_generator,
             distributed=distributed,
             augmentation_multiplicity=augmentation_multiplicity,
@@ -399,11 +397,10 @@ class PrivateTrainer:
             self.averaged_model.load_state_dict(state["averaged_model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.accountant.load_state_dict(state["accountant"])
-        if self.noise_seed is not None:  # secret streams stay fresh: two resumes must not draw the same batches
-            streams = rank_streams[self.rank]
-            self.sampling_generator.set_state(streams["sampling_generator"])
-            if self.augment_generator is not None and streams.get("augment_generator") is not None:
-                self.augment_generator.set_state(streams["augment_generator"])
+        streams = rank_streams[self.rank]
+        resume_generator(self.sampling_generator, streams["sampling_generator"])
+        if self.augment_generator is not None:
+            resume_generator(self.augment_generator, streams.get("augment_generator"))
         self._rank_streams = (state["steps"], rank_streams)
         self.steps, self.epoch = state["steps"], state["epoch"]
         self.history = list(state.get("history", []))
