@@ -150,3 +150,24 @@ def test_pld_refuses_noise_below_its_floor_and_calibration_stays_above_it():
     sigma = calibrate_noise_multiplier(500.0, 1e-5, 0.05, 3, "pld")
     assert PLD_MIN_NOISE_MULTIPLIER <= sigma <= PLD_MIN_NOISE_MULTIPLIER * 1.01
     assert cl.compute_epsilon(sigma, 0.05, 3, 1e-5, "pld") <= 500.0
+
+
+def test_pld_refuses_a_delta_below_its_resolution_instead_of_calibrating_absurd_noise(tmp_path):
+    """PLD's epsilon is infinite at delta <= 1e-15 (its tail truncation): calibration used to climb to sigma
+    2878 and report epsilon 0.002 at delta 1e-16, a silently useless run.  Now a clear error; rdp answers."""
+    from clipless.cli import main as cli_main
+    from clipless.privacy.accounting import PLD_MIN_DELTA, calibrate_noise_multiplier
+
+    with pytest.raises(ValueError, match="smallest delta the PLD accountant resolves.*rdp"):
+        calibrate_noise_multiplier(3.0, 1e-16, 0.7, 1, "pld")
+    with pytest.raises(ValueError, match="PLD accountant resolves"):
+        cl.compute_epsilon(1.0, 0.5, 10, 1e-16, "pld")
+    assert math.isfinite(cl.compute_epsilon(1.0, 0.5, 10, PLD_MIN_DELTA, "pld"))
+    assert 1.5 < calibrate_noise_multiplier(3.0, 1e-16, 0.7, 1, "rdp") < 5
+    for bad in (0.0, 1.0, -1e-5, float("nan")):
+        with pytest.raises(ValueError, match="delta"):
+            cl.compute_epsilon(1.0, 0.5, 10, bad, "rdp")
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit, match="PLD accountant resolves"):
+        cli_main(["train", "--delta", "1e-16", "--epochs", "1", "--no-progress", "--output-dir", str(out)])
+    assert not out.exists()

@@ -82,6 +82,22 @@ def _check_pld_noise(noise_multiplier: float) -> None:
             "there is large: such a run is not meaningfully private)")
 
 
+# dp_accounting's PLD truncates each step's privacy-loss tails at a mass of about 1e-15 (pessimistically), so its
+# epsilon is infinite for any delta at or below that: measured, finite at 3e-15 and infinite at 1e-15 for every
+# sigma in 0.3-10, q in 1e-3-1 and 1-3000 steps.  Calibration would then climb to an absurd sigma and report a
+# tiny epsilon; below this floor the PLD accountant refuses instead.
+PLD_MIN_DELTA = 1e-14
+
+
+def _check_delta_resolvable(mechanism: str, delta: float) -> None:
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
+    if mechanism == "pld" and delta < PLD_MIN_DELTA:
+        raise ValueError(f"delta={delta:g} is below {PLD_MIN_DELTA:g}, the smallest delta the PLD accountant resolves "
+                         "(it truncates privacy-loss tails of mass about 1e-15, so its epsilon there is infinite); "
+                         "use the rdp accountant for so small a delta")
+
+
 def _step_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
     if not (0 < sample_rate <= 1):
         raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
@@ -154,6 +170,7 @@ class PrivacyAccountant:
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon of everything composed so far at ``delta`` (0 before any step)."""
+        _check_delta_resolvable(self.mechanism, delta)
         if not self._history:
             return 0.0
         accountant = _new_accountant(self.mechanism)
