@@ -198,3 +198,19 @@ def test_empty_training_set_named() -> None:
         cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                         data=empty, loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
                                         input_shape=SHAPE, batch_size=8.0)
+
+
+def test_an_iterable_dataset_is_refused_by_name(data) -> None:
+    """An IterableDataset died with "object of type ... has no len()"; Poisson sampling needs indices."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(data)
+
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(TypeError, match="map-style Dataset with a length .*Stream"):
+        cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=Stream(), loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
+                                        input_shape=SHAPE, batch_size=8.0)
+    with pytest.raises(TypeError, match="map-style Dataset"):
+        trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), Stream())

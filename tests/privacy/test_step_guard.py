@@ -377,6 +377,18 @@ def test_weights_changed_between_forward_and_step_refused(how):
         _refused(opt, engine, "weights changed between the forward and its backward")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_refused_by_name(value):
+    """A weight set to NaN or inf by hand was refused, but as 'gradient from outside its clipless loss'."""
+    model, opt, loss, engine, x, y = _setup()
+    with torch.no_grad():
+        model[0].weight[0, 0] = value
+    loss.per_example(model(x), y).sum().backward()
+    with pytest.raises(BoundError, match="loss gradient at the private model's output is not finite"):
+        opt.step()
+    assert engine.accountant.steps == 0
+
+
 # Finding 5: eval-mode forwards in the private loop still check the input bound
 def test_eval_mode_loop_with_inputs_above_the_bound_refused():
     model, opt, loss, engine, x, y = _setup()

@@ -515,6 +515,9 @@ class StepGuard:
         elif any(float(loss.lipschitz) > lipschitz for loss in losses):
             why = (f"the backward came from a loss with a larger constant than the {self.loss_name} the bounds were "
                    "computed for; use the loss given to make_private")
+        elif not bool(torch.isfinite(loss_grad).all()):
+            why = ("the loss gradient at the private model's output is not finite (NaN or infinite outputs: a weight "
+                   "set to NaN or inf by hand, or an overflow); no bound covers it: check the weights")
         elif not torch.equal(grad, loss_grad):
             why = ("the private model's output received gradient from outside its clipless loss: the per-example "
                    "bound assumes the loss is the only use of the output")

@@ -17,7 +17,7 @@ from .distributed import DistributedPoissonBatchSampler, check_distinct_on_all_r
 from .input_guard import InputGuard
 from .modules import InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
-from .sampling import expected_batch_size, poisson_data_loader, poisson_threshold
+from .sampling import dataset_size, expected_batch_size, poisson_data_loader, poisson_threshold
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf"]
 
@@ -57,7 +57,7 @@ def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -
         data = data.dataset
     if batch_size is None:
         raise ValueError("give the expected batch size (batch_size)")
-    return data, expected_batch_size(batch_size, len(data))  # type: ignore[arg-type]
+    return data, expected_batch_size(batch_size, dataset_size(data))
 
 
 class PrivacyEngine:

@@ -6,19 +6,28 @@ from fractions import Fraction
 from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
-           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "SAMPLING_BITS"]
+           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
 # uniforms have resolution 2^-24 and realised q = 3.33e-7 as 3.58e-7).  A rate at or below the accounted q
 # never under-reports epsilon (the subsampled Gaussian's epsilon increases with q).
 SAMPLING_BITS = 53
+
+
+def dataset_size(data: Any) -> int:
+    """``len(data)`` of a map-style dataset; a stream (``IterableDataset``) is refused: Poisson sampling picks each
+    record by index, independently."""
+    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+        raise TypeError(f"data must be a map-style Dataset with a length (got {type(data).__name__}): Poisson "
+                        "sampling picks each record by index, independently, with rate batch_size / len(data)")
+    return len(data)
 
 
 def expected_batch_size(batch_size: Any, records: int) -> float:

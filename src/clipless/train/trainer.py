@@ -25,7 +25,7 @@ from ..privacy.modules import LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label, resume_generator
-from ..privacy.sampling import expected_batch_size
+from ..privacy.sampling import dataset_size, expected_batch_size
 from .checkpoint import check_fits, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, predictions
 
@@ -110,7 +110,7 @@ class PrivateTrainer:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
         if epochs is None and target_epsilon is None:
             raise ValueError("give epochs or target_epsilon: training would never stop")
-        n = len(train_data)  # type: ignore[arg-type]
+        n = dataset_size(train_data)
         check_delta(delta, n)
         batch_size = expected_batch_size(batch_size, n)
         self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
