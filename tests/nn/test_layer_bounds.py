@@ -282,3 +282,37 @@ def test_fft_mode_declares_the_smaller_of_two_certified_bounds():
     weight = conv.weight.detach().double()
     true = exact_linear_operator_norm(lambda x: F.conv2d(x, weight, stride=2, padding=1), shape)
     assert true <= declared
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: cl.L2NormPool2d(0), lambda: cl.L2NormPool2d(2, eps=-1.0), lambda: cl.L2NormPool2d(2, eps=_NAN),
+    lambda: cl.L2NormPool2d(2.5), lambda: cl.ScaledAvgPool2d(0), lambda: cl.ScaledAvgPool2d(-2),
+    lambda: cl.GroupSort(2.5), lambda: cl.GroupSort(True), lambda: cl.MaxMin(dim=1.0),
+    lambda: cl.TauCrossEntropy(_NAN), lambda: cl.TauCrossEntropy(_INF),
+    lambda: cl.CrossEntropyWithTemperature(_NAN), lambda: cl.BinaryCrossEntropyWithTemperature(_INF),
+    lambda: cl.MulticlassHinge(2.5), lambda: cl.MulticlassHinge(3, margin=_NAN), lambda: cl.MulticlassKR(3.7),
+    lambda: cl.MulticlassHKR(3, alpha=_NAN), lambda: cl.MulticlassHKR(2.5), lambda: cl.KCosineSimilarity(_NAN),
+    lambda: cl.LipschitzLinear(0, 3), lambda: cl.LipschitzLinear(4, 3, bias=True, bias_bound=-0.5),
+    lambda: cl.LipschitzLinear(4, 3, bias=True, bias_bound=_NAN), lambda: cl.LipschitzLinear(4, 3, bjorck_iters=0),
+    lambda: cl.LipschitzConv2d(1, 2, 3, stride=1.5, padding=1), lambda: cl.LipschitzConv2d(1, 2, 2.5, padding=0),
+    lambda: cl.LipschitzConv2d(0, 2, 3), lambda: cl.LipschitzConv2d(1, 2, 3, bias=True, bias_bound=-1.0),
+    lambda: cl.OrthogonalConv2d(2.0, 2), lambda: cl.OrthogonalConv2d(2, 2, bjorck_iters=-1),
+])
+def test_a_bad_declared_constant_is_refused_when_the_layer_is_built(build):
+    """Each was accepted before and failed later, far from its cause, or not at all: a class count of 2.5
+    declared ``sqrt(2.5/1.5) = 1.29`` for a loss computed with 2 classes (gradient norm sqrt(2) = 1.41), a
+    negative bias radius crashed the projection with a ZeroDivisionError, NaN radii skipped it, NaN or
+    infinite temperatures made every loss NaN, a zero kernel size divided by zero."""
+    with pytest.raises(ValueError, match="must be"):
+        build()
+
+
+def test_the_validated_constants_keep_their_meaning():
+    assert cl.MulticlassHinge(3).lipschitz == pytest.approx(math.sqrt(1.5))
+    assert cl.MulticlassHKR(4, alpha=0).lipschitz == pytest.approx(math.sqrt(4 / 3))
+    assert cl.LipschitzLinear(4, 3, bias=True, bias_bound=_INF).bias_bound == _INF  # no projection: bound uses ||b||
+    assert cl.L2NormPool2d(2, eps=0.0).eps == 0.0
+    assert cl.GroupSort(4, dim=-1).group_size == 4

@@ -16,16 +16,16 @@ from ..privacy.certified import (
     certified_spectral_norm,
 )
 from ..privacy.modules import BoundedModule, LayerBound
-from .functional import affine_layer_bound, bjorck_orthonormalize, check_projection, clip_norm_, project_matrix_
+from .functional import (affine_layer_bound, bjorck_orthonormalize, check_bias_bound, check_projection, clip_norm_,
+                         project_matrix_, whole_number)
 
 __all__ = ["LipschitzConv2d", "OrthogonalConv2d", "fft_operator_norm"]
 
 
-def _pair(v: Union[int, Sequence[int]]) -> Tuple[int, int]:
-    if isinstance(v, int):
-        return (v, v)
-    a, b = v
-    return (int(a), int(b))
+def _pair(v: Union[int, Sequence[int]], name: str) -> Tuple[int, int]:
+    if isinstance(v, (tuple, list)) and len(v) == 2:
+        return whole_number(v[0], name), whole_number(v[1], name)
+    return whole_number(v, name), whole_number(v, name)
 
 
 class LipschitzConv2d(BoundedModule):
@@ -64,7 +64,8 @@ class LipschitzConv2d(BoundedModule):
         if operator_norm not in ("reshaped", "fft"):
             raise ValueError("operator_norm must be 'reshaped' or 'fft'")
         self.operator_norm = operator_norm
-        kh, kw = _pair(kernel_size)
+        kh, kw = _pair(kernel_size, "kernel_size")
+        stride = whole_number(stride, "stride")
         if padding == "same":
             if stride != 1 or kh % 2 == 0 or kw % 2 == 0:
                 raise ValueError("padding='same' needs stride 1 and odd kernel sizes")
@@ -75,13 +76,12 @@ class LipschitzConv2d(BoundedModule):
             raise ValueError(f"padding must be an int or 'same', got {padding!r}")
         if padding_mode not in ("zeros", "circular"):
             raise ValueError("padding_mode must be 'zeros' or 'circular'")
-        if stride < 1:
-            raise ValueError("stride must be >= 1")
-        self.in_channels, self.out_channels = in_channels, out_channels
+        self.in_channels = whole_number(in_channels, "in_channels")
+        self.out_channels = whole_number(out_channels, "out_channels")
         self.kernel_size, self.stride, self.padding, self.padding_mode = (kh, kw), stride, pad, padding_mode
         self.projection = check_projection(projection)
-        self.bjorck_iters = bjorck_iters
-        self.bias_bound = float(bias_bound)
+        self.bjorck_iters = whole_number(bjorck_iters, "bjorck_iters")
+        self.bias_bound = check_bias_bound(bias_bound)
         # Shape-free default used until the input size is seen (exact for zero padding on large inputs).
         self.overlap = math.ceil(kh / stride) * math.ceil(kw / stride)
         self._spatial: Optional[Tuple[int, int]] = None
@@ -209,11 +209,10 @@ class OrthogonalConv2d(BoundedModule):
                              f"got {kernel_size!r}")
         if padding_mode not in ("zeros", "circular"):
             raise ValueError("padding_mode must be 'zeros' or 'circular'")
-        if in_channels < 1 or out_channels < 1:
-            raise ValueError("in_channels and out_channels must be >= 1")
-        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.in_channels = whole_number(in_channels, "in_channels")
+        self.out_channels = whole_number(out_channels, "out_channels")
         self.kernel_size, self.padding_mode = kernel_size, padding_mode
-        self.bjorck_iters = bjorck_iters
+        self.bjorck_iters = whole_number(bjorck_iters, "bjorck_iters")
         c = max(self.in_channels, self.out_channels)
         rank = max(1, c // 2)
         self.mix = nn.Parameter(nn.init.orthogonal_(torch.empty(c, c)))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from ..privacy.modules import BoundedModule, InputClip, LayerBound
-from .functional import broadcast_per_example, l2_norm_pool2d, max_min, per_example_norm, positive_finite
+from .functional import (broadcast_per_example, finite_at_least, l2_norm_pool2d, max_min, per_example_norm,
+                         positive_finite, whole_number)
 
 __all__ = ["InputNormClip", "GroupSort", "MaxMin", "L2NormPool2d", "ScaledAvgPool2d", "Permute", "LayerCentering"]
 
@@ -50,8 +52,9 @@ class GroupSort(BoundedModule):
 
     def __init__(self, group_size: int = 2, dim: int = 1) -> None:
         super().__init__()
-        if group_size < 2:
-            raise ValueError("group_size must be >= 2")
+        group_size = whole_number(group_size, "group_size", 2)
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise ValueError(f"dim must be an integer axis, got {dim!r}")
         if dim == 0:
             raise ValueError("dim 0 is the batch axis")
         self.group_size, self.dim = group_size, dim
@@ -99,7 +102,7 @@ class L2NormPool2d(BoundedModule):
 
     def __init__(self, kernel_size: int, eps: float = 1e-10) -> None:
         super().__init__()
-        self.kernel_size, self.eps = int(kernel_size), float(eps)
+        self.kernel_size, self.eps = whole_number(kernel_size, "kernel_size"), finite_at_least(eps, "eps")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return l2_norm_pool2d(x, self.kernel_size, self.eps)
@@ -118,7 +121,7 @@ class ScaledAvgPool2d(BoundedModule):
 
     def __init__(self, kernel_size: int) -> None:
         super().__init__()
-        self.kernel_size = int(kernel_size)
+        self.kernel_size = whole_number(kernel_size, "kernel_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernel_size

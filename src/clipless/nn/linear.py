@@ -14,7 +14,8 @@ from ..privacy.certified import (
     certified_spectral_norm,
 )
 from ..privacy.modules import BoundedModule, LayerBound
-from .functional import affine_layer_bound, bjorck_orthonormalize, check_projection, clip_norm_, rescale_to_unit_ball_
+from .functional import (affine_layer_bound, bjorck_orthonormalize, check_bias_bound, check_projection, clip_norm_,
+                         rescale_to_unit_ball_, whole_number)
 
 __all__ = ["LipschitzLinear"]
 
@@ -45,11 +46,11 @@ class LipschitzLinear(BoundedModule):
         bjorck_iters: int = 30,
     ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
+        self.in_features = whole_number(in_features, "in_features")
+        self.out_features = whole_number(out_features, "out_features")
         self.projection = check_projection(projection)
-        self.bjorck_iters = bjorck_iters
-        self.bias_bound = float(bias_bound)
+        self.bjorck_iters = whole_number(bjorck_iters, "bjorck_iters")
+        self.bias_bound = check_bias_bound(bias_bound)
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.orthogonal_(self.weight)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None

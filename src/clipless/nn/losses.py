@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..privacy.certified import BoundError
 from ..privacy.modules import LipschitzLoss
+from .functional import finite_at_least, positive_finite, whole_number
 
 __all__ = [
     "TauCrossEntropy",
@@ -42,9 +43,7 @@ class TauCrossEntropy(LipschitzLoss):
 
     def __init__(self, tau: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        if tau <= 0:
-            raise ValueError("tau must be positive")
-        self.tau = float(tau)
+        self.tau = positive_finite(tau, "tau")
         self.lipschitz = math.sqrt(2.0)
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -62,9 +61,7 @@ class CrossEntropyWithTemperature(LipschitzLoss):
 
     def __init__(self, temperature: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        if temperature <= 0:
-            raise ValueError("temperature must be positive")
-        self.temperature = float(temperature)
+        self.temperature = positive_finite(temperature, "temperature")
         self.lipschitz = math.sqrt(2.0) / self.temperature
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -87,9 +84,7 @@ class BinaryCrossEntropyWithTemperature(LipschitzLoss):
 
     def __init__(self, temperature: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        if temperature <= 0:
-            raise ValueError("temperature must be positive")
-        self.temperature = float(temperature)
+        self.temperature = positive_finite(temperature, "temperature")
         self.lipschitz = 1.0 / self.temperature
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -134,10 +129,9 @@ class MulticlassHinge(_FixedWidthLoss):
 
     def __init__(self, num_classes: int, margin: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        if num_classes < 2:
-            raise ValueError("num_classes must be >= 2")
-        self.num_classes, self.margin = int(num_classes), float(margin)
-        self.lipschitz = math.sqrt(num_classes / (num_classes - 1.0))
+        self.num_classes = whole_number(num_classes, "num_classes", 2)
+        self.margin = finite_at_least(margin, "margin")
+        self.lipschitz = math.sqrt(self.num_classes / (self.num_classes - 1.0))
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self._check_width(logits, target)
@@ -159,10 +153,8 @@ class MulticlassKR(_FixedWidthLoss):
 
     def __init__(self, num_classes: int, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        if num_classes < 2:
-            raise ValueError("num_classes must be >= 2")
-        self.num_classes = int(num_classes)
-        self.lipschitz = math.sqrt(num_classes / (num_classes - 1.0))
+        self.num_classes = whole_number(num_classes, "num_classes", 2)
+        self.lipschitz = math.sqrt(self.num_classes / (self.num_classes - 1.0))
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self._check_width(logits, target)
@@ -179,13 +171,11 @@ class MulticlassHKR(_FixedWidthLoss):
 
     def __init__(self, num_classes: int, alpha: float = 10.0, margin: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        if alpha < 0:
-            raise ValueError("alpha must be non-negative")
-        self.alpha = float(alpha)
+        self.alpha = finite_at_least(alpha, "alpha")
         self.hinge = MulticlassHinge(num_classes, margin, reduction="none")
         self.kr = MulticlassKR(num_classes, reduction="none")
-        self.num_classes = int(num_classes)
-        self.lipschitz = (1.0 + self.alpha) * math.sqrt(num_classes / (num_classes - 1.0))
+        self.num_classes = self.kr.num_classes
+        self.lipschitz = (1.0 + self.alpha) * math.sqrt(self.num_classes / (self.num_classes - 1.0))
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self._check_width(logits, target)
@@ -199,9 +189,7 @@ class KCosineSimilarity(LipschitzLoss):
 
     def __init__(self, k_coef: float = 1.0, x_min: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        if k_coef <= 0 or x_min <= 0:
-            raise ValueError("k_coef and x_min must be positive")
-        self.floor = float(k_coef) * float(x_min)
+        self.floor = positive_finite(k_coef, "k_coef") * positive_finite(x_min, "x_min")
         self.lipschitz = 1.0 / self.floor
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
