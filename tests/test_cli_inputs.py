@@ -161,6 +161,20 @@ def test_pretrain_cnn_without_channels_refused(tmp_path):
              "channels: the cnn needs at least one")
 
 
+@pytest.mark.parametrize("flag, value, match", [
+    ("--clip-norm", "inf", "--clip-norm: must be finite"),  # was: "embeddings ... NaN or infinite (an overflow)"
+    ("--lr", "inf", "--lr: must be finite"),  # was: the same misleading overflow message after the first step
+    ("--tau", "inf", "--tau: must be finite"),
+    ("--epsilon", "nan", "--epsilon: must be finite"),
+    ("--epochs", "0", "--epochs: must be >= 1"),
+    ("--batch-size", "0", "--batch-size: must be > 0"),
+])
+def test_pretrain_settings_get_the_train_commands_checks(tmp_path, flag, value, match):
+    out = tmp_path / "p"
+    _refused(["pretrain", flag, value, "--no-progress", "--output-dir", str(out)], match)
+    assert not out.exists()
+
+
 def test_kl_to_delta_is_clamped_and_vacuity_said():
     with pytest.warns(UserWarning, match="vacuous"):
         assert klp.kl_to_delta(4.68) == 1.0  # sqrt(4.68 / 2) = 1.53 before

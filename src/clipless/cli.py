@@ -699,7 +699,12 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         raise SystemExit(f"--probe-labels: each count must be >= 1, got {args.probe_labels}")
     # the train command's rules (SCHEMA) for the settings the two commands share
     shared = (("--noise-seed", SCHEMA["noise_seed"], args.noise_seed), ("--hidden", _widths, args.hidden),
-              ("--channels", _widths, args.channels), ("--embedding-dim", _number(int, 0), args.embedding_dim))
+              ("--channels", _widths, args.channels), ("--embedding-dim", _number(int, 0), args.embedding_dim),
+              ("--lr", SCHEMA["lr"], args.lr), ("--tau", SCHEMA["tau"], args.tau),
+              ("--clip-norm", _number(float, 0), args.clip_norm), ("--epsilon", SCHEMA["epsilon"], args.epsilon),
+              ("--delta", SCHEMA["delta"], args.delta), ("--noise-multiplier", SCHEMA["noise_multiplier"],
+                                                        args.noise_multiplier),
+              ("--batch-size", SCHEMA["batch_size"], args.batch_size), ("--epochs", SCHEMA["epochs"], args.epochs))
     for flag, check, value in shared:
         try:
             check(value)

@@ -1006,3 +1006,16 @@ def test_non_finite_views_and_overflowing_encoders_refused_clearly() -> None:
         overflow[1].weight.mul_(1e36)
     with pytest.raises(ValueError, match="NaN or infinite .*overflow"):
         logit_dp_gradient(overflow, good, good, "contrastive", 1.0, 1.0)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0.0, -1.0])
+def test_clip_norms_and_temperatures_must_be_positive_and_finite(bad):
+    """An infinite B was accepted: the sensitivity was infinite and the first noisy step overflowed."""
+    from clipless.contrastive.logit_dp import logit_dp_sensitivity, naive_dp_sensitivity
+
+    with pytest.raises(ValueError, match="positive and finite"):
+        logit_dp_sensitivity(bad, 1.0)
+    with pytest.raises(ValueError, match="positive and finite"):
+        logit_dp_sensitivity(1.0, bad)
+    with pytest.raises(ValueError, match="positive and finite"):
+        naive_dp_sensitivity(bad)

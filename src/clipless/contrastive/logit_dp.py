@@ -92,8 +92,8 @@ CONTRASTIVE_LOSSES = tuple(LOSS_FUNCTIONS)
 def _check_loss(loss: str, tau: float) -> None:
     if loss not in CONTRASTIVE_LOSSES:
         raise ValueError(f"loss must be one of {CONTRASTIVE_LOSSES}, got {loss!r}")
-    if not (tau > 0):
-        raise ValueError(f"temperature tau must be positive, got {tau}")
+    if not (tau > 0 and math.isfinite(tau)):
+        raise ValueError(f"temperature tau must be positive and finite, got {tau}")
     if loss == "spreadout" and tau != 1.0:
         raise ValueError("the spreadout sensitivity 6B (spec §4) holds for tau = 1 only")
 
@@ -122,8 +122,8 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
     Spreadout (``tau = 1``): ``6 B`` for every ``n``.
     """
     _check_loss(loss, tau)
-    if not (clip_norm > 0):
-        raise ValueError(f"clip norm B must be positive, got {clip_norm}")
+    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+        raise ValueError(f"clip norm B must be positive and finite, got {clip_norm}")
     if loss == "spreadout":
         return 6.0 * clip_norm
     if batch_size is None:
@@ -137,8 +137,8 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
 
 def naive_dp_sensitivity(clip_norm: float) -> float:
     """Whole-batch gradient clipped to ``C``: add/remove one pair moves it by at most ``2C`` (not ``C``)."""
-    if not (clip_norm > 0):
-        raise ValueError(f"clip norm C must be positive, got {clip_norm}")
+    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+        raise ValueError(f"clip norm C must be positive and finite, got {clip_norm}")
     return 2.0 * clip_norm
 
 
@@ -719,8 +719,8 @@ def logit_dp_gradient(
     Returns the batch loss and the fraction of pair gradients that were clipped.
     """
     _check_loss(loss, tau)
-    if not (clip_norm > 0):
-        raise ValueError(f"clip norm B must be positive, got {clip_norm}")
+    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+        raise ValueError(f"clip norm B must be positive and finite, got {clip_norm}")
     _refuse_hooks(encoder)
     _check_per_example(encoder)
     _check_pairs(xa, xb, method)
@@ -765,8 +765,8 @@ def naive_dp_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, lo
     rounded up by its summation bound, and the factor's ``1 - 8u`` (``u`` of the gradient's dtype) covers the
     roundings of the norm's square root, of the factor and of each product (at most ``5.5u`` together)."""
     _check_loss(loss, tau)
-    if not (clip_norm > 0):
-        raise ValueError(f"clip norm C must be positive, got {clip_norm}")
+    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+        raise ValueError(f"clip norm C must be positive and finite, got {clip_norm}")
     _check_precision(encoder, xa, xb)
     params = _cleared_params(encoder)
     if xa.shape[0] == 0:
