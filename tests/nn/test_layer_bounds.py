@@ -289,6 +289,7 @@ _NAN, _INF = float("nan"), float("inf")
 
 @pytest.mark.parametrize("build", [
     lambda: cl.L2NormPool2d(0), lambda: cl.L2NormPool2d(2, eps=-1.0), lambda: cl.L2NormPool2d(2, eps=_NAN),
+    lambda: cl.L2NormPool2d(2, eps=0.0),
     lambda: cl.L2NormPool2d(2.5), lambda: cl.ScaledAvgPool2d(0), lambda: cl.ScaledAvgPool2d(-2),
     lambda: cl.GroupSort(2.5), lambda: cl.GroupSort(True), lambda: cl.MaxMin(dim=1.0),
     lambda: cl.TauCrossEntropy(_NAN), lambda: cl.TauCrossEntropy(_INF),
@@ -305,7 +306,8 @@ def test_a_bad_declared_constant_is_refused_when_the_layer_is_built(build):
     """Each was accepted before and failed later, far from its cause, or not at all: a class count of 2.5
     declared ``sqrt(2.5/1.5) = 1.29`` for a loss computed with 2 classes (gradient norm sqrt(2) = 1.41), a
     negative bias radius crashed the projection with a ZeroDivisionError, NaN radii skipped it, NaN or
-    infinite temperatures made every loss NaN, a zero kernel size divided by zero."""
+    infinite temperatures made every loss NaN, a zero kernel size divided by zero, and pooling with ``eps = 0``
+    has a NaN derivative at an all-zero window."""
     with pytest.raises(ValueError, match="must be"):
         build()
 
@@ -314,5 +316,5 @@ def test_the_validated_constants_keep_their_meaning():
     assert cl.MulticlassHinge(3).lipschitz == pytest.approx(math.sqrt(1.5))
     assert cl.MulticlassHKR(4, alpha=0).lipschitz == pytest.approx(math.sqrt(4 / 3))
     assert cl.LipschitzLinear(4, 3, bias=True, bias_bound=_INF).bias_bound == _INF  # no projection: bound uses ||b||
-    assert cl.L2NormPool2d(2, eps=0.0).eps == 0.0
+    assert cl.L2NormPool2d(2, eps=1e-12).eps == 1e-12
     assert cl.GroupSort(4, dim=-1).group_size == 4

@@ -389,6 +389,25 @@ def test_a_non_finite_weight_is_refused_by_name(value):
     assert engine.accountant.steps == 0
 
 
+def test_a_non_finite_weight_gradient_is_refused_by_name():
+    """A layer whose derivative divides by zero (L2-norm pooling forced to eps = 0, at an all-zero window) was
+    refused as 'a weight's gradient was changed between its backward and its accumulation'."""
+    model = nn.Sequential(cl.LipschitzConv2d(1, 4, 3), cl.L2NormPool2d(2), nn.Flatten(), cl.LipschitzLinear(64, 3))
+    object.__setattr__(model[1], "eps", 0.0)  # past the constructor's check, as a buggy custom layer would be
+    x = torch.rand(16, 1, 8, 8)
+    x[:, :, :4, :4] = 0
+    x = x / x.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+    engine, data = cl.PrivacyEngine("rdp"), cl.ArrayDataset(x, torch.zeros(16).long())
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
+        loss=cl.TauCrossEntropy(2.0), noise_multiplier=1.0, input_shape=(1, 8, 8), batch_size=8.0, input_bound=1.0,
+        external_batches=True)
+    cl.TauCrossEntropy(2.0).per_example(model(x), torch.zeros(16).long()).sum().backward()
+    with pytest.raises(BoundError, match="weight '0.weight' of the private model got a gradient that is not finite"):
+        opt.step()
+    assert engine.accountant.steps == 0
+
+
 # Finding 5: eval-mode forwards in the private loop still check the input bound
 def test_eval_mode_loop_with_inputs_above_the_bound_refused():
     model, opt, loss, engine, x, y = _setup()

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..privacy.modules import BoundedModule, InputClip, LayerBound
-from .functional import (broadcast_per_example, finite_at_least, l2_norm_pool2d, max_min, per_example_norm,
-                         positive_finite, whole_number)
+from .functional import broadcast_per_example, l2_norm_pool2d, max_min, per_example_norm, positive_finite, whole_number
 
 __all__ = ["InputNormClip", "GroupSort", "MaxMin", "L2NormPool2d", "ScaledAvgPool2d", "Permute", "LayerCentering"]
 
@@ -102,7 +101,7 @@ class L2NormPool2d(BoundedModule):
 
     def __init__(self, kernel_size: int, eps: float = 1e-10) -> None:
         super().__init__()
-        self.kernel_size, self.eps = whole_number(kernel_size, "kernel_size"), finite_at_least(eps, "eps")
+        self.kernel_size, self.eps = whole_number(kernel_size, "kernel_size"), positive_finite(eps, "eps")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return l2_norm_pool2d(x, self.kernel_size, self.eps)

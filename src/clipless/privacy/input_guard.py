@@ -557,6 +557,9 @@ class StepGuard:
         taints the backward, so nothing else can reach an accumulated gradient unseen."""
         if self._paused:
             return None
+        if not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):  # one pass when finite
+            self._problem(f"weight '{name}' of the private model got a gradient that is not finite (NaN or inf in the "
+                          "backward: a layer's derivative divided by zero or overflowed); no bound covers it")
         parts = self._through.pop(key, []) if _task() == self._through_task else []
         if parts and all(g._version == v for g, v in parts):  # a part changed in place no longer says what it sent
             sent = parts[0][0]
