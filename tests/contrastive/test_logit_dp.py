@@ -174,6 +174,27 @@ def test_jacobian_tiles_cover_every_pair() -> None:
         torch.testing.assert_close(total, expected, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_a_streamed_conv_jacobian_gives_the_terms_of_the_whole_block(chunk: int) -> None:
+    """View b's conv Jacobian is formed a chunk of examples at a time (memory); its terms, traces and rows are
+    those of the whole block, for chunks of one example, uneven chunks and one chunk."""
+    from clipless.contrastive import logit_dp as ld
+
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 2, 3, padding=1), nn.AvgPool2d(2),
+                        nn.Flatten(), nn.Linear(18, 4)).double()
+    convs = [enc[0], enc[2]]
+    gen = torch.Generator().manual_seed(1)
+    xa, xb = (torch.rand(7, 1, 6, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+    u, v = normalized_embedding(enc, xa), normalized_embedding(enc, xb)
+    whole_a, whole_b = ld._conv_jacobian(enc, convs, xa, 64), ld._conv_jacobian(enc, convs, xb, 64)
+    lazy_a, lazy_b = ld._LazyConvJacobian(enc, convs, xa, chunk), ld._LazyConvJacobian(enc, convs, xb, chunk)
+    torch.testing.assert_close(lazy_b.rows(2, 6), whole_b[2:6], rtol=1e-12, atol=1e-14)
+    expected = ld._jacobian_terms(whole_a, whole_b, u, v, block_elements=5)
+    for got, want in zip(ld._jacobian_terms(lazy_a, lazy_b, u, v, block_elements=5)[:3], expected[:3]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 def test_unknown_layers_refuse_the_factored_path() -> None:
     class Scale(nn.Module):  # a per-example layer the factored path does not know
         def __init__(self) -> None:

@@ -17,7 +17,7 @@ Jacobian blocks (other layers) without any pair-sized parameter vector (:func:`p
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -262,7 +262,7 @@ def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: int) -> Optional[
     if not others:
         jac = None
     elif all(_plain_conv2d(m) for m in holders):
-        jac = _conv_jacobian(encoder, holders, x, chunk)
+        jac = _LazyConvJacobian(encoder, holders, x, chunk)
     else:
         jac = _jacobian(encoder, x, chunk, others, u.dtype)
     return u.detach(), r, factors, jac
@@ -272,6 +272,22 @@ def _plain_conv2d(m: nn.Module) -> bool:
     """A ``Conv2d`` whose per-example weight gradient is ``delta @ unfold(h)^T``: one group, zero padding."""
     return (type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros"
             and not isinstance(m.padding, str))
+
+
+class _LazyConvJacobian:
+    """The rows of :func:`_conv_jacobian` for a slice of the examples, computed when asked: the cross term then
+    holds one view's block whole and the other's a chunk of examples at a time (at n = 1024 and 4,800 conv
+    parameters a block is 629 MB of float32).  The weights must not change between the request and the
+    forward pass that recorded ``u``: both happen inside one :func:`_gram_terms` call."""
+
+    def __init__(self, encoder: nn.Module, convs: List[nn.Module], x: torch.Tensor, chunk: int) -> None:
+        self.encoder, self.convs, self.x, self.chunk = encoder, convs, x, chunk
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return _conv_jacobian(self.encoder, self.convs, self.x[start:stop], self.chunk)
 
 
 def _conv_jacobian(encoder: nn.Module, convs: List[nn.Module], x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -284,7 +300,7 @@ def _conv_jacobian(encoder: nn.Module, convs: List[nn.Module], x: torch.Tensor, 
     example alone, so each call's vector-Jacobian product is that of a batch, and no autograd graph of the
     ``d``-fold batch is built."""
     leaves = [m for m in encoder.modules() if not isinstance(m, nn.Sequential)]
-    parts = []
+    jacobian: Optional[torch.Tensor] = None  # filled chunk by chunk: a final cat would hold the block twice
     for start in range(0, x.shape[0], chunk):
         calls: List[Tuple[nn.Module, torch.Tensor]] = []
 
@@ -321,8 +337,12 @@ def _conv_jacobian(encoder: nn.Module, convs: List[nn.Module], x: torch.Tensor, 
                 blocks.append(torch.einsum("iaol,ikl->iaok", flat, patches).flatten(2))
             if m.bias is not None and m.bias.requires_grad:
                 blocks.append(flat.sum(-1))
-        parts.append(torch.cat(blocks, 2))
-    return torch.cat(parts)
+        part = torch.cat(blocks, 2)
+        if jacobian is None:
+            jacobian = part.new_empty((x.shape[0],) + tuple(part.shape[1:]))
+        jacobian[start : start + c] = part
+    assert jacobian is not None, "no examples"
+    return jacobian
 
 
 def _batched_vjp(module: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -519,35 +539,46 @@ def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int, names: Optional[L
     return torch.cat(parts)
 
 
-def _jacobian_terms(ja: torch.Tensor, jb: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
+JacobianBlock = Union[torch.Tensor, _LazyConvJacobian]
+
+
+def _jacobian_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor, v: torch.Tensor,
                     block_elements: int = 1 << 22) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A Jacobian block's share of ``||g_ij||^2 = A_ij + 2 C_ij + B_ij`` (``J``: ``(n, d, p)``).
 
     ``A``, ``B`` from the ``d x d`` Grams ``J_i J_i^T``; ``C_ij = <J_i^T v_j, J'_j^T u_i>`` from
     ``y_ij = J'_j^T u_i`` and then ``v_j . (J_i y_ij)``: ``2 n^2 d p`` multiply-adds (not the ``n^2 d^2 p`` of
-    the ``d x d`` cross Grams), in tiles of at most ``block_elements`` numbers ``y``.  Returns the part, the
-    traces ``||J_i||_F^2``, ``||J'_j||_F^2`` (which bound every term's absolute sum, see
-    :func:`_rounding_margin`) and the longest chain of roundings.
+    the ``d x d`` cross Grams), in tiles of at most ``block_elements`` numbers ``y``.  A lazy ``jb`` is formed
+    a chunk of examples at a time, so only ``ja`` is held whole.  Returns the part, the traces ``||J_i||_F^2``,
+    ``||J'_j||_F^2`` (which bound every term's absolute sum, see :func:`_rounding_margin`) and the longest
+    chain of roundings.
     """
+    if isinstance(ja, _LazyConvJacobian):
+        ja = ja.rows(0, len(ja))
     n, d, p = ja.shape
     gram_aa = torch.einsum("iap,ibp->iab", ja, ja)
-    gram_bb = torch.einsum("jap,jbp->jab", jb, jb)
     total = torch.einsum("iab,ja,jb->ij", gram_aa, v, v)
-    total += torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
+    trace_b = total.new_zeros(n)
     # Rows of a tile reuse the columns' Jacobians, which is what keeps the products compute-bound.
     rows_per_tile = max(1, min(n, 32))
     cols_per_tile = max(1, min(n, block_elements // max(1, rows_per_tile * p)))
-    jb_by_dim = jb.permute(1, 0, 2)  # (d, n, p)
-    for j0 in range(0, n, cols_per_tile):
-        cols = slice(j0, min(n, j0 + cols_per_tile))
-        jb_cols = jb_by_dim[:, cols].reshape(d, -1)
-        for i0 in range(0, n, rows_per_tile):
-            rows = slice(i0, min(n, i0 + rows_per_tile))
-            y = (u[rows] @ jb_cols).reshape(-1, cols.stop - cols.start, p)  # J'_j^T u_i
-            z = torch.bmm(ja[rows], y.transpose(1, 2))  # (rows, d, cols): J_i J'_j^T u_i
-            total[rows, cols] += 2.0 * torch.einsum("iaj,ja->ij", z, v[cols])
-    trace_a, trace_b = torch.einsum("iaa->i", gram_aa), torch.einsum("jaa->j", gram_bb)
-    return total, trace_a, trace_b, p + d * d + 2 * d + 4
+    step = jb.chunk if isinstance(jb, _LazyConvJacobian) else n
+    for c0 in range(0, n, step):
+        c1 = min(n, c0 + step)
+        jb_chunk = jb.rows(c0, c1) if isinstance(jb, _LazyConvJacobian) else jb[c0:c1]
+        gram_bb = torch.einsum("jap,jbp->jab", jb_chunk, jb_chunk)
+        total[:, c0:c1] += torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
+        trace_b[c0:c1] = torch.einsum("jaa->j", gram_bb)
+        jb_by_dim = jb_chunk.permute(1, 0, 2)  # (d, chunk, p)
+        for j0 in range(c0, c1, cols_per_tile):
+            cols = slice(j0, min(c1, j0 + cols_per_tile))
+            jb_cols = jb_by_dim[:, cols.start - c0 : cols.stop - c0].reshape(d, -1)
+            for i0 in range(0, n, rows_per_tile):
+                rows = slice(i0, min(n, i0 + rows_per_tile))
+                y = (u[rows] @ jb_cols).reshape(-1, cols.stop - cols.start, p)  # J'_j^T u_i
+                z = torch.bmm(ja[rows], y.transpose(1, 2))  # (rows, d, cols): J_i J'_j^T u_i
+                total[rows, cols] += 2.0 * torch.einsum("iaj,ja->ij", z, v[cols])
+    return total, torch.einsum("iaa->i", gram_aa), trace_b, p + d * d + 2 * d + 4
 
 
 def pair_gradient_norms(
