@@ -61,10 +61,16 @@ def main() -> None:
     parser.add_argument("--embedding-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="examples per conv Jacobian chunk (clipless.contrastive.logit_dp.CHUNK; default: its value)")
     parser.add_argument("--out", default="results/logit_dp_memory.json")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.chunk is not None:
+        from clipless.contrastive import logit_dp
+
+        logit_dp.CHUNK = args.chunk
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.repeats, args.hidden, args.embedding_dim, args.encoder,
                args.channels)
@@ -80,7 +86,8 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", method, str(n), "--repeats", str(args.repeats),
                  "--threads", str(args.threads), "--embedding-dim", str(d), "--encoder", args.encoder,
-                 "--channels", *map(str, args.channels), "--hidden", *map(str, args.hidden)],
+                 "--channels", *map(str, args.channels), "--hidden", *map(str, args.hidden),
+                 *(["--chunk", str(args.chunk)] if args.chunk is not None else [])],
                 capture_output=True, text=True,
             )
             if out.returncode != 0:

@@ -274,6 +274,13 @@ def _plain_conv2d(m: nn.Module) -> bool:
             and not isinstance(m.padding, str))
 
 
+# Examples whose d cotangents are carried back together when forming a conv Jacobian block, and whose rows of the
+# second view's block are formed at once for the cross term.  Measured on the CLI's CNN encoder at n = 1024
+# (benchmarks/logit_dp_memory.py): 16 took 18-19 s and 837 MB, 64 took 22-23 s and 1139 MB (16 x d rows of
+# conv activations at 16 x 28 x 28 are 26 MB per module and stay in cache longer).
+CHUNK = 16
+
+
 class _LazyConvJacobian:
     """The rows of :func:`_conv_jacobian` for a slice of the examples, computed when asked: the cross term then
     holds one view's block whole and the other's a chunk of examples at a time (at n = 1024 and 4,800 conv
@@ -587,7 +594,7 @@ def pair_gradient_norms(
     xb: torch.Tensor,
     method: str = "auto",
     block: int = 256,
-    chunk: int = 64,
+    chunk: int = CHUNK,
 ) -> torch.Tensor:
     """``||grad_w cos(Phi(xa_i), Phi(xb_j))||`` for all ``i, j`` (``(n, n)``, float64), from Gram blocks.
 
@@ -730,7 +737,7 @@ def clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_no
 def _clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_norm: float, method: str,
                   block: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`clip_factors` and the normalized embeddings ``u``, ``v`` whose pair norms they clip."""
-    squared, slack, u, v = _gram_terms(encoder, xa, xb, method, block, chunk=64)
+    squared, slack, u, v = _gram_terms(encoder, xa, xb, method, block, chunk=CHUNK)
     norms = (squared.double() + slack.double()).clamp_min(0.0).sqrt()
     return torch.clamp(clip_norm / norms.clamp_min(1e-300), max=1.0), u, v
 

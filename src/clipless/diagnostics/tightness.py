@@ -83,7 +83,7 @@ class TightnessMonitor:
             self.worst[name] = max(self.worst.get(name, 0.0), ratio)
         broken = {name: r for name, r in ratios.items() if r > 1 + self.tol}
         if broken:
-            detail = ", ".join(f"layer '{n}' {r:.6f}x" for n, r in broken.items())
+            detail = ", ".join(f"layer '{n}'" for n in broken)  # not the ratio: a statistic of training examples
             raise BoundError(
                 f"bound violated at step {step}: a per-example gradient exceeds its certified bound ({detail}); "
                 "training stopped before releasing the step, since its noise would not give the stated epsilon"
