@@ -510,6 +510,8 @@ def test_a_resumed_pretrainer_draws_fresh_secret_randomness(tmp_path, seed) -> N
         fork.fit()
         forks.append(torch.cat([p.detach().flatten() for p in fork.encoder.parameters()]))
     assert torch.equal(forks[0], forks[1]) is (seed is not None)
+    saved = load_checkpoint(tmp_path / "c.pt")  # a secret run's checkpoint keeps no generator state at all
+    assert (saved["noise_rng"] is None and saved["sampling_rng"] is None) is (seed is None)
 
 
 @pytest.mark.parametrize("seed", [None, 0])

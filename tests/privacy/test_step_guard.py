@@ -230,17 +230,27 @@ def test_forks_of_one_saved_state_draw_independent_secret_noise(seeded):
     noise stream and released the same noise on the same batch (lr 0: identical releases), so the difference of
     two forks' releases carried no noise.  A secret stream now stays fresh; a given (seeded) generator is still
     restored, for reproducible experiments."""
-    saved = _setup(lr=0.0)[1].state_dict()
+    def given():
+        return {"noise_generator": torch.Generator().manual_seed(3)} if seeded else {}
+
+    saved = _setup(lr=0.0, **given())[1].state_dict()
+    assert (saved["noise_generator"] is None) is not seeded  # a secret stream's state is not even saved
     releases = []
     for _ in range(2):
-        kw = {"noise_generator": torch.Generator().manual_seed(3)} if seeded else {}
-        model, opt, loss, engine, x, y = _setup(lr=0.0, **kw)
+        model, opt, loss, engine, x, y = _setup(lr=0.0, **given())
         opt.load_state_dict(saved)
         released = capture_released(opt)
         loss.per_example(model(x), y).sum().backward()
         opt.step()
         releases.append(torch.cat([g.flatten() for g in released[0].values()]))
     assert torch.equal(releases[0], releases[1]) is seeded
+
+
+def test_a_fixed_seed_cannot_continue_a_secret_runs_state():
+    secret = _setup()[1].state_dict()
+    seeded = _setup(noise_generator=torch.Generator().manual_seed(3))[1]
+    with pytest.raises(ValueError, match="holds no generator state .*resume without a fixed seed"):
+        seeded.load_state_dict(secret)
 
 
 @pytest.mark.parametrize("how", ["autocast_bfloat16", "half", "bfloat16"])

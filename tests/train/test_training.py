@@ -150,6 +150,20 @@ def test_a_resume_draws_fresh_secret_randomness_and_continues_a_seeded_stream(tm
     assert result.steps == run.steps and result.epsilon == pytest.approx(run.epsilon())
     same = all(torch.equal(a, b) for a, b in zip(run.model.parameters(), resumed.model.parameters()))
     assert same is (seed is not None)
+    # A secret run's checkpoint holds no generator state: MT19937's state can be run backwards, so a saved one
+    # would let whoever reads the checkpoint regenerate the noise and batches already drawn.
+    assert (_generator_states(load_checkpoint(tmp_path / "ckpt.pt")) == 0) is (seed is None)
+
+
+def _generator_states(obj) -> int:
+    """How many torch CPU generator states (uint8 tensors of that size) ``obj`` holds, at any depth."""
+    if isinstance(obj, torch.Tensor):
+        return int(obj.dtype == torch.uint8 and obj.numel() == torch.Generator().get_state().numel())
+    if isinstance(obj, dict):
+        return sum(_generator_states(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_generator_states(v) for v in obj)
+    return 0
 
 
 def _cli_run(out, *extra):

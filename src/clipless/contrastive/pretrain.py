@@ -22,7 +22,7 @@ from ..privacy.accounting import PrivacyAccountant, check_accounted_steps, check
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
 from ..privacy.distributed import world
-from ..privacy.randomness import make_generator, randomness_label, resume_generator
+from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
 from ..train.checkpoint import check_fits, load_checkpoint, save_checkpoint
 from .logit_dp import (
@@ -265,8 +265,8 @@ class ContrastivePretrainer:
             "encoder": self.encoder.state_dict(), "optimizer": self.optimizer.state_dict(),
             "accountant": None if self.accountant is None else self.accountant.state_dict(),
             "config": self._privacy_config(), "steps": self.steps, "epoch": self.epoch, "history": self.history,
-            "wall": self._wall, "noise_rng": self.noise_generator.get_state(),
-            "sampling_rng": self.loader.batch_sampler.generator.get_state(),  # type: ignore[union-attr]
+            "wall": self._wall, "noise_rng": saved_generator_state(self.noise_generator),
+            "sampling_rng": saved_generator_state(self.loader.batch_sampler.generator),  # type: ignore[union-attr]
             "pairs": self.pairs.state_dict() if hasattr(self.pairs, "state_dict") else None,
         }
         save_checkpoint(state, path)

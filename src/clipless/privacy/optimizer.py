@@ -25,7 +25,7 @@ from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
 from .input_guard import StepGuard, unwatched
 from .modules import step_mechanisms
 from .noise import add_noise_
-from .randomness import resume_generator, secret_generator
+from .randomness import resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
 __all__ = ["DPOptimizer"]
@@ -262,7 +262,7 @@ class DPOptimizer:
     def state_dict(self) -> Dict[str, Any]:
         return {
             "optimizer": self.original_optimizer.state_dict(),
-            "noise_generator": self.generator.get_state(),
+            "noise_generator": saved_generator_state(self.generator),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -20,7 +20,8 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-__all__ = ["secret_generator", "make_generator", "randomness_label", "secret_seed", "resume_generator"]
+__all__ = ["secret_generator", "make_generator", "randomness_label", "secret_seed", "resume_generator",
+           "saved_generator_state"]
 
 # Layout of the CPU generator state (ATen CPUGeneratorImplState): initial seed (u64), left (i32),
 # seeded (i32), next (u64), then the 624 Mersenne Twister words stored as u64.
@@ -38,7 +39,7 @@ class _SecretGenerator(torch.Generator):
 
     Copies of a run (``copy.deepcopy`` of a model and its private optimizer for a hyperparameter search, say)
     would otherwise draw the same noise and batches, and the difference of two copies' releases would carry no
-    noise.  Checkpoints keep states through ``get_state``; a private resume does not restore them."""
+    noise.  Checkpoints do not keep its state (:func:`saved_generator_state`)."""
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "_SecretGenerator":
         return secret_generator(self.device)
@@ -69,12 +70,23 @@ def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generato
     return generator
 
 
+def saved_generator_state(generator: torch.Generator) -> Optional[torch.Tensor]:
+    """What a checkpoint keeps of a generator: a seeded stream's state, to continue it; nothing of a secret one.
+    A private resume draws fresh OS entropy anyway, and the state would let whoever reads the checkpoint
+    regenerate the noise and batches already drawn (MT19937's state can be run backwards)."""
+    return None if isinstance(generator, _SecretGenerator) else generator.get_state()
+
+
 def resume_generator(generator: torch.Generator, state: Optional[torch.Tensor]) -> None:
     """Continue a saved stream on resume, unless ``generator`` is secret: a secret stream only has to be
     unknown, and two runs resumed from one saved state would otherwise draw the same noise and batches (the
     difference of their releases would carry no noise).  A seeded stream continues, for reproducibility."""
-    if state is not None and not isinstance(generator, _SecretGenerator):
-        generator.set_state(state)
+    if isinstance(generator, _SecretGenerator):
+        return
+    if state is None:
+        raise ValueError("the saved state holds no generator state (its run drew noise and batches from OS "
+                         "entropy): a fixed seed cannot continue it; resume without a fixed seed")
+    generator.set_state(state)
 
 
 def make_generator(seed: Optional[int], device: Union[str, torch.device] = "cpu", stream: int = 0) -> torch.Generator:

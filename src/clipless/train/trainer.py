@@ -24,7 +24,7 @@ from ..privacy.accounting import check_accounted_steps, check_delta, check_nothi
 from ..privacy.modules import LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
-from ..privacy.randomness import make_generator, randomness_label, resume_generator
+from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import dataset_size, expected_batch_size
 from .checkpoint import check_fits, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, predictions
@@ -266,8 +266,9 @@ class PrivateTrainer:
 
     def _streams(self) -> Dict[str, Optional[torch.Tensor]]:
         """This process's sampling and augmentation generator states."""
-        return {"sampling_generator": self.sampling_generator.get_state(),
-                "augment_generator": self.augment_generator.get_state() if self.augment_generator is not None else None}
+        augment = self.augment_generator
+        return {"sampling_generator": saved_generator_state(self.sampling_generator),
+                "augment_generator": saved_generator_state(augment) if augment is not None else None}
 
     def result(self) -> TrainResult:
         test_acc = self.history[-1].get("test_accuracy") if self.history else None
