@@ -276,7 +276,7 @@ def _plain_conv2d(m: nn.Module) -> bool:
 
 # Examples whose d cotangents are carried back together when forming a conv Jacobian block, and whose rows of the
 # second view's block are formed at once for the cross term.  Measured on the CLI's CNN encoder at n = 1024
-# (benchmarks/logit_dp_memory.py): 16 took 18-19 s and 837 MB, 64 took 22-23 s and 1139 MB (16 x d rows of
+# (benchmarks/logit_dp_memory.py --chunk N): 16 took 18-19 s and 837 MB, 64 took 22-23 s and 1139 MB (16 x d rows of
 # conv activations at 16 x 28 x 28 are 26 MB per module and stay in cache longer).
 CHUNK = 16
 
