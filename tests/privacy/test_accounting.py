@@ -171,3 +171,18 @@ def test_pld_refuses_a_delta_below_its_resolution_instead_of_calibrating_absurd_
     with pytest.raises(SystemExit, match="PLD accountant resolves"):
         cli_main(["train", "--delta", "1e-16", "--epochs", "1", "--no-progress", "--output-dir", str(out)])
     assert not out.exists()
+
+
+def test_rdp_order_exclusions_are_not_logged_other_warnings_are(caplog):
+    """dp-accounting logged one warning per non-converging fractional order per call (110 lines for one
+    `clipless train --accountant rdp`); leaving an order out only raises epsilon, so those lines are dropped."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        eps = cl.compute_epsilon(1.0, 1 / 6, 6, 1e-3, "rdp")
+        logging.getLogger("absl").warning("another dp-accounting warning")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "failed to converge" in m], messages
+    assert "another dp-accounting warning" in messages
+    assert eps == pytest.approx(cl.compute_epsilon(1.0, 1 / 6, 6, 1e-3, "rdp"))
+    assert not logging.getLogger("absl").filters  # the filter is there only during the computation
