@@ -111,6 +111,11 @@ def logit_gradient(z: torch.Tensor, loss: str) -> torch.Tensor:
     raise ValueError(f"loss must be one of {CONTRASTIVE_LOSSES}, got {loss!r}")
 
 
+def _check_clip_norm(clip_norm: float, name: str) -> None:
+    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+        raise ValueError(f"clip norm {name} must be positive and finite, got {clip_norm}")
+
+
 def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive",
                          batch_size: Optional[int] = None) -> float:
     """Add/remove-one-pair sensitivity of ``gbar`` (spec §4).
@@ -122,8 +127,7 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
     Spreadout (``tau = 1``): ``6 B`` for every ``n``.
     """
     _check_loss(loss, tau)
-    if not (clip_norm > 0 and math.isfinite(clip_norm)):
-        raise ValueError(f"clip norm B must be positive and finite, got {clip_norm}")
+    _check_clip_norm(clip_norm, "B")
     if loss == "spreadout":
         return 6.0 * clip_norm
     if batch_size is None:
@@ -137,8 +141,7 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
 
 def naive_dp_sensitivity(clip_norm: float) -> float:
     """Whole-batch gradient clipped to ``C``: add/remove one pair moves it by at most ``2C`` (not ``C``)."""
-    if not (clip_norm > 0 and math.isfinite(clip_norm)):
-        raise ValueError(f"clip norm C must be positive and finite, got {clip_norm}")
+    _check_clip_norm(clip_norm, "C")
     return 2.0 * clip_norm
 
 
@@ -757,8 +760,7 @@ def logit_dp_gradient(
     Returns the batch loss and the fraction of pair gradients that were clipped.
     """
     _check_loss(loss, tau)
-    if not (clip_norm > 0 and math.isfinite(clip_norm)):
-        raise ValueError(f"clip norm B must be positive and finite, got {clip_norm}")
+    _check_clip_norm(clip_norm, "B")
     _refuse_hooks(encoder)
     _check_per_example(encoder)
     _check_pairs(xa, xb, method)
@@ -803,8 +805,7 @@ def naive_dp_gradient(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, lo
     rounded up by its summation bound, and the factor's ``1 - 8u`` (``u`` of the gradient's dtype) covers the
     roundings of the norm's square root, of the factor and of each product (at most ``5.5u`` together)."""
     _check_loss(loss, tau)
-    if not (clip_norm > 0 and math.isfinite(clip_norm)):
-        raise ValueError(f"clip norm C must be positive and finite, got {clip_norm}")
+    _check_clip_norm(clip_norm, "C")
     _check_precision(encoder, xa, xb)
     params = _cleared_params(encoder)
     if xa.shape[0] == 0:

@@ -127,6 +127,7 @@ def whole_number(value: int, name: str, minimum: int = 1) -> int:
 
 
 def finite_at_least(value: float, name: str, minimum: float = 0.0) -> float:
+    """A real constant (a margin, a weight in a loss) that must be finite and ``>= minimum``."""
     if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             and value >= minimum):
         raise ValueError(f"{name} must be a finite number >= {minimum:g}, got {value!r}")
