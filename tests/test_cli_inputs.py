@@ -225,7 +225,7 @@ def test_interrupted_result_write_keeps_the_previous_result(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         main(["train", *FAST, "--output-dir", str(out), "--noise-seed", "2"])
     assert (out / "result.json").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "result.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json"]
 
 
 def test_full_disk_during_checkpoint_write_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -240,7 +240,7 @@ def test_full_disk_during_checkpoint_write_is_one_line_and_leaves_no_temporary(t
     _refused(["train", *FAST, "--output-dir", str(out)], r"could not write .*checkpoint.pt: No space left on device; "
              "the previous file .* is intact")
     assert (out / "checkpoint.pt").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "result.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json"]
 
 
 @pytest.mark.parametrize("damage, match", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import yaml
 
 import clipless as cl
 from clipless.cli import main
-from clipless.train.checkpoint import load_checkpoint, save_checkpoint
+from clipless.train.checkpoint import fingerprint_key_path, load_checkpoint, save_checkpoint
 
 
 def digits_trainer(epochs=4, seed=0, data_seed=0, **kw):
@@ -86,6 +87,7 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
     state = load_checkpoint(tmp_path / "ckpt.pt")
     state["steps"] += 3
     save_checkpoint(state, tmp_path / "short.pt")
+    shutil.copy(fingerprint_key_path(tmp_path / "ckpt.pt"), fingerprint_key_path(tmp_path / "short.pt"))
     fresh = digits_trainer(epochs=4, seed=0)
     before = [p.detach().clone() for p in fresh.model.parameters()]
     with pytest.raises(ValueError, match="composed .* steps but the run records"):
@@ -97,6 +99,7 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
     last = [k for k, v in state["model"].items() if isinstance(v, torch.Tensor)][-1]
     state["model"][last] = torch.zeros(state["model"][last].numel() + 1)
     save_checkpoint(state, tmp_path / "other.pt")
+    shutil.copy(fingerprint_key_path(tmp_path / "ckpt.pt"), fingerprint_key_path(tmp_path / "other.pt"))
     with pytest.raises(ValueError, match="another model .*other shape"):
         fresh.load_checkpoint(tmp_path / "other.pt")
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters()))
@@ -153,6 +156,35 @@ def test_a_resume_draws_fresh_secret_randomness_and_continues_a_seeded_stream(tm
     # A secret run's checkpoint holds no generator state: MT19937's state can be run backwards, so a saved one
     # would let whoever reads the checkpoint regenerate the noise and batches already drawn.
     assert (_generator_states(load_checkpoint(tmp_path / "ckpt.pt")) == 0) is (seed is None)
+
+
+def test_a_checkpoint_alone_does_not_identify_its_training_records(tmp_path):
+    """A checkpoint recorded a plain digest of the training records: anyone holding it could hash both
+    neighbouring datasets and see which one was trained on.  The digest is now keyed by a secret kept in
+    ``checkpoint.pt.key`` beside it; a resume needs both files, and a resume on other records is still refused."""
+    import os
+
+    run = digits_trainer(epochs=1)
+    run.fit()
+    run.save_checkpoint(tmp_path / "ckpt.pt")
+    key_file = fingerprint_key_path(tmp_path / "ckpt.pt")
+    assert len(key_file.read_bytes()) == 32 and os.stat(key_file).st_mode & 0o077 == 0  # owner-only
+    saved = load_checkpoint(tmp_path / "ckpt.pt")["config"]
+    plain = run.train_data.fingerprint()
+    assert saved["train_data"] not in (plain, None) and plain not in repr(load_checkpoint(tmp_path / "ckpt.pt"))
+    digits_trainer(epochs=1).load_checkpoint(tmp_path / "ckpt.pt")  # with its key: resumes
+    key = key_file.read_bytes()
+    run.save_checkpoint(tmp_path / "ckpt.pt")  # a key beside the path is kept: a failed write stays matched
+    assert key_file.read_bytes() == key
+    with pytest.raises(ValueError, match="train_data=.*resume with the same records"):  # another split
+        digits_trainer(epochs=1, data_seed=1).load_checkpoint(tmp_path / "ckpt.pt")
+    key_file.unlink()
+    with pytest.raises(ValueError, match="its key file ckpt.pt.key is missing"):
+        digits_trainer(epochs=1).load_checkpoint(tmp_path / "ckpt.pt")
+    state = load_checkpoint(tmp_path / "ckpt.pt")  # an older version's checkpoint: plain digests, no key file
+    state["config"].update(train_data=plain, test_data=run.test_data.fingerprint())
+    save_checkpoint(state, tmp_path / "old.pt")
+    digits_trainer(epochs=1).load_checkpoint(tmp_path / "old.pt")
 
 
 def _generator_states(obj) -> int:

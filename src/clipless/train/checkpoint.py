@@ -13,11 +13,12 @@ import hashlib
 import io
 import os
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "write_atomically", "check_fits"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "write_atomically", "check_fits",
+           "keyed_fingerprint", "read_fingerprint_key", "fingerprint_key_for", "fingerprint_key_path"]
 
 MAGIC = b"clipless checkpoint v1\n"
 _DIGEST_LEN = 64  # hex sha256
@@ -27,12 +28,15 @@ class CheckpointError(ValueError):
     """A checkpoint or result file that cannot be written or read back intact."""
 
 
-def write_atomically(path: Union[str, Path], data: bytes) -> None:
-    """Replace ``path`` by ``data`` all at once, or leave it as it was (and no temporary file)."""
+def write_atomically(path: Union[str, Path], data: bytes, mode: Optional[int] = None) -> None:
+    """Replace ``path`` by ``data`` all at once, or leave it as it was (and no temporary file); ``mode``: the
+    new file's permissions, set before it replaces the old one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as fh:
+            if mode is not None:
+                os.chmod(tmp, mode)
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -85,3 +89,51 @@ def check_fits(module: Any, saved: Dict[str, Any], path: Union[str, Path], what:
         detail = "; ".join(f"{label}: {', '.join(keys[:4])}" for label, keys in
                            (("missing", missing), ("unexpected", unexpected), ("other shape", reshaped)) if keys)
         raise CheckpointError(f"checkpoint {path} holds another {what} ({detail}): resume with the same architecture")
+
+
+# A checkpoint records digests of the training and test records so that a resume on other data is refused.  A plain
+# digest would identify the records to anyone holding the checkpoint (hash both neighbouring datasets and compare),
+# so the checkpoint keeps a digest keyed by a secret 32-byte key, which lives in a file of its own beside it
+# (``checkpoint.pt.key``, owner-only): the checkpoint alone says nothing about which records were trained on.
+_KEY_BYTES = 32
+
+
+def fingerprint_key_path(path: Union[str, Path]) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".key")
+
+
+def keyed_fingerprint(fingerprint: Optional[str], key: bytes) -> Optional[str]:
+    """BLAKE2b of a records digest, keyed by ``key`` (None stays None: a dataset without a digest)."""
+    if fingerprint is None:
+        return None
+    return hashlib.blake2b(fingerprint.encode(), key=key, digest_size=16).hexdigest()
+
+
+def fingerprint_key_for(path: Union[str, Path]) -> bytes:
+    """The key for a checkpoint about to be written at ``path``: the one already beside it, else a new one from OS
+    entropy, written first.  An existing key is never replaced, so a failed write leaves the previous checkpoint
+    and its key matching (any key hides the records equally well)."""
+    try:
+        key = read_fingerprint_key(path)
+    except CheckpointError:  # a damaged key file: the checkpoint beside it can no longer be checked anyway
+        key = None
+    if key is None:
+        key = os.urandom(_KEY_BYTES)
+        write_atomically(fingerprint_key_path(path), key, mode=0o600)
+    return key
+
+
+def read_fingerprint_key(path: Union[str, Path]) -> Optional[bytes]:
+    """The key beside checkpoint ``path``; None when there is no key file (a checkpoint of an older version)."""
+    key_path = fingerprint_key_path(path)
+    try:
+        key = key_path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {key_path}: {err.strerror or err}") from err
+    if len(key) != _KEY_BYTES:
+        raise CheckpointError(f"{key_path} is damaged ({len(key)} bytes, not {_KEY_BYTES}): it keys the checkpoint's "
+                              "digest of the training records; resume with the key file written beside the checkpoint")
+    return key

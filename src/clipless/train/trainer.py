@@ -26,7 +26,8 @@ from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import dataset_size, expected_batch_size
-from .checkpoint import check_fits, load_checkpoint, save_checkpoint
+from .checkpoint import (check_fits, fingerprint_key_for, fingerprint_key_path, keyed_fingerprint, load_checkpoint,
+                         read_fingerprint_key, save_checkpoint)
 from .evaluation import evaluate, predictions
 
 __all__ = ["PrivateTrainer", "TrainResult"]
@@ -298,9 +299,11 @@ class PrivateTrainer:
         return tuple(getattr(d, "fingerprint", lambda: None)() if d is not None else None  # type: ignore[return-value]
                      for d in (self.train_data, self.test_data))
 
-    def _config(self) -> Dict[str, Any]:
-        """The privacy configuration a checkpoint must share with the run that resumes it."""
+    def _config(self, key: Optional[bytes]) -> Dict[str, Any]:
+        """The privacy configuration a checkpoint must share with the run that resumes it; the records' digests
+        keyed by ``key`` (None: the plain digests that checkpoints of older versions recorded)."""
         plan = self.optimizer.plan
+        train_digest, test_digest = (d if key is None else keyed_fingerprint(d, key) for d in self._data_fingerprints)
         return {
             "accountant": self.accountant.mechanism,
             "sample_rate": self.sample_rate,
@@ -312,8 +315,8 @@ class PrivateTrainer:
             "max_steps": plan.max_steps,
             "randomness": randomness_label(self.noise_seed)["randomness"],
             # the same records and split: a test accuracy measured on training records would be wrong
-            "train_data": self._data_fingerprints[0],
-            "test_data": self._data_fingerprints[1],
+            "train_data": train_digest,
+            "test_data": test_digest,
         }
 
     def save_checkpoint(self, path: Union[str, Path]) -> None:
@@ -321,6 +324,7 @@ class PrivateTrainer:
         :mod:`clipless.train.checkpoint`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        fingerprint_key = fingerprint_key_for(path)
         state = {
             "model": self.module.state_dict(),
             "world_size": self.world_size,
@@ -336,7 +340,7 @@ class PrivateTrainer:
             "epoch": self.epoch,
             "history": self.history,
             "wall_time_s": self._wall,
-            "config": self._config(),
+            "config": self._config(fingerprint_key),
             "run_config": self.run_config,
         }
         save_checkpoint(state, path)
@@ -359,7 +363,8 @@ class PrivateTrainer:
                 f"checkpoint {path} has no accountant state: resuming would under-report epsilon; "
                 "restart training from scratch"
             )
-        saved, current = state.get("config", {}), self._config()
+        fingerprint_key = read_fingerprint_key(path)  # None: a checkpoint of an older version, plain digests
+        saved, current = state.get("config", {}), self._config(fingerprint_key)
         mechanism = accountant_state.get("mechanism")
         if mechanism != self.accountant.mechanism:
             raise ValueError(
@@ -371,6 +376,10 @@ class PrivateTrainer:
             if key not in saved:
                 raise ValueError(f"checkpoint {path} does not record {key!r}: it was written by an older version; "
                                  "restart training")
+            if saved[key] != current[key] and key.endswith("_data") and fingerprint_key is None:
+                raise ValueError(f"checkpoint {path}: its key file {fingerprint_key_path(path).name} is missing (it keys "
+                                 "the checkpoint's digest of the records, kept apart so that the checkpoint alone does "
+                                 "not identify them): copy it with the checkpoint")
             if saved[key] != current[key]:
                 what = ("the same records and train/test split (dataset, data files, --seed)" if key.endswith("_data")
                         else "the same privacy configuration")
