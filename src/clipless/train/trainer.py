@@ -377,9 +377,9 @@ class PrivateTrainer:
                 raise ValueError(f"checkpoint {path} does not record {key!r}: it was written by an older version; "
                                  "restart training")
             if saved[key] != current[key] and key.endswith("_data") and fingerprint_key is None:
-                raise ValueError(f"checkpoint {path}: its key file {fingerprint_key_path(path).name} is missing (it keys "
-                                 "the checkpoint's digest of the records, kept apart so that the checkpoint alone does "
-                                 "not identify them): copy it with the checkpoint")
+                raise ValueError(f"checkpoint {path}: its key file {fingerprint_key_path(path).name} is missing (it "
+                                 "keys the checkpoint's digest of the records, kept apart so that the checkpoint alone "
+                                 "does not identify them): copy it with the checkpoint")
             if saved[key] != current[key]:
                 what = ("the same records and train/test split (dataset, data files, --seed)" if key.endswith("_data")
                         else "the same privacy configuration")
