@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=None,
-                        help="examples per conv Jacobian chunk (clipless.contrastive.logit_dp.CHUNK; default: its value)")
+                        help="examples per conv Jacobian chunk (default: clipless.contrastive.logit_dp.CHUNK)")
     parser.add_argument("--out", default="results/logit_dp_memory.json")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
