@@ -514,6 +514,27 @@ def test_a_resumed_pretrainer_draws_fresh_secret_randomness(tmp_path, seed) -> N
     assert (saved["noise_rng"] is None and saved["sampling_rng"] is None) is (seed is None)
 
 
+def test_a_pretraining_resume_on_other_records_is_refused(tmp_path) -> None:
+    """A pre-trainer's checkpoint did not record its records: a resume on another dataset went on silently.
+    It now keeps their digest, keyed like the classification trainer's (``checkpoint.pt.key`` beside it)."""
+    from clipless.train.checkpoint import fingerprint_key_path
+
+    first = _trainer("naive_dp", epochs=1)
+    first.fit()
+    first.save_checkpoint(tmp_path / "c.pt")
+    assert first.pairs.fingerprint() not in repr(load_checkpoint(tmp_path / "c.pt"))  # keyed, not plain
+    _trainer("naive_dp", epochs=1).load_checkpoint(tmp_path / "c.pt")  # the same records: resumes
+    other = _trainer("naive_dp", epochs=1)
+    other.pairs = AugmentedPairs(other.pairs.images.flip(0), 1, False)  # the same records, another order
+    with pytest.raises(ValueError, match="pre-trained on other records"):
+        other.load_checkpoint(tmp_path / "c.pt")
+    fingerprint_key_path(tmp_path / "c.pt").unlink()
+    with pytest.raises(ValueError, match="its key file c.pt.key is missing"):
+        _trainer("naive_dp", epochs=1).load_checkpoint(tmp_path / "c.pt")
+    pairs = GivenPairs(torch.zeros(3, 2), torch.ones(3, 2))
+    assert pairs.fingerprint() != GivenPairs(torch.ones(3, 2), torch.zeros(3, 2)).fingerprint()
+
+
 @pytest.mark.parametrize("seed", [None, 0])
 def test_copies_of_a_pretrainer_draw_their_own_noise_and_batches(seed) -> None:
     """``copy.deepcopy`` of a pre-trainer (two forks of a run, say for a learning-rate search): before, the copy

@@ -147,6 +147,13 @@ class AugmentedPairs(Dataset):
             a, b = a + self.pixel_noise * noise[:, 0], b + self.pixel_noise * noise[:, 1]
         return a, b
 
+    def fingerprint(self) -> str:
+        """A digest of the records, in order (a pre-training resume on other records is refused)."""
+        digest = hashlib.blake2b(f"{self.images.dtype}{tuple(self.images.shape)}".encode(), digest_size=16)
+        for record in self._digests:
+            digest.update(record)
+        return digest.hexdigest()
+
     def state_dict(self) -> dict:
         """Key and draw counts: resuming from them repeats the augmentations exactly (as secret as the data)."""
         return {"key": self.key, "draws": self.draws.clone()}
@@ -176,3 +183,12 @@ class GivenPairs(Dataset):
     def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         idx = torch.as_tensor(indices, dtype=torch.long)
         return self.xa[idx], self.xb[idx]
+
+    def fingerprint(self) -> str:
+        """A digest of the pairs, in order (a pre-training resume on other records is refused)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for t in (self.xa, self.xb):
+            t = t.detach().cpu().contiguous()
+            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return digest.hexdigest()

@@ -8,6 +8,7 @@ test embeddings and a linear head trained on frozen embeddings.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +25,8 @@ from ..privacy.noise import add_gaussian_noise_
 from ..privacy.distributed import world
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
-from ..train.checkpoint import check_fits, load_checkpoint, save_checkpoint
+from ..train.checkpoint import (check_fits, fingerprint_key_for, fingerprint_key_path, keyed_fingerprint,
+                                load_checkpoint, read_fingerprint_key, save_checkpoint)
 from .logit_dp import (
     LOSS_FUNCTIONS,
     logit_dp_gradient,
@@ -256,6 +258,11 @@ class ContrastivePretrainer:
                 "max_steps": self.plan.max_steps if self.accountant else None,
                 "randomness": randomness_label(self.noise_seed)["randomness"]}
 
+    @functools.cached_property
+    def _data_fingerprint(self) -> Optional[str]:
+        """The pairs' digest (None for a dataset without one), computed at the first checkpoint."""
+        return getattr(self.pairs, "fingerprint", lambda: None)()
+
     def save_checkpoint(self, path: Union[str, Path]) -> None:
         """Encoder, optimizer, progress, RNG states, augmentation state and the accountant's history (atomic,
         checksummed: :mod:`clipless.train.checkpoint`)."""
@@ -264,7 +271,9 @@ class ContrastivePretrainer:
         state = {
             "encoder": self.encoder.state_dict(), "optimizer": self.optimizer.state_dict(),
             "accountant": None if self.accountant is None else self.accountant.state_dict(),
-            "config": self._privacy_config(), "steps": self.steps, "epoch": self.epoch, "history": self.history,
+            "config": {**self._privacy_config(), "train_data": keyed_fingerprint(self._data_fingerprint,
+                                                                                 fingerprint_key_for(path))},
+            "steps": self.steps, "epoch": self.epoch, "history": self.history,
             "wall": self._wall, "noise_rng": saved_generator_state(self.noise_generator),
             "sampling_rng": saved_generator_state(self.loader.batch_sampler.generator),  # type: ignore[union-attr]
             "pairs": self.pairs.state_dict() if hasattr(self.pairs, "state_dict") else None,
@@ -283,6 +292,14 @@ class ContrastivePretrainer:
             if saved.get(key) != mine:
                 raise ValueError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, not {mine!r}: resume "
                                  "with the same privacy configuration")
+        if saved.get("train_data") is not None:  # absent from checkpoints of earlier versions
+            fingerprint_key = read_fingerprint_key(path)
+            if fingerprint_key is None:
+                raise ValueError(f"checkpoint {path}: its key file {fingerprint_key_path(path).name} is missing (it "
+                                 "keys the checkpoint's digest of the records): copy it with the checkpoint")
+            if saved["train_data"] != keyed_fingerprint(self._data_fingerprint, fingerprint_key):
+                raise ValueError(f"checkpoint {path} was pre-trained on other records: resume with the same records "
+                                 "in the same order")
         if self.accountant is not None:
             check_accounted_steps(state["accountant"], state.get("steps"), path)
         check_fits(self.encoder, state["encoder"], path, "encoder")
