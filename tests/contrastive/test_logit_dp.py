@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 from typing import Dict, Tuple
 
 import pytest
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from clipless.privacy.accounting import compute_epsilon
 from clipless.train.baselines import standard_cnn
-from clipless.train.checkpoint import load_checkpoint, save_checkpoint
+from clipless.train.checkpoint import fingerprint_key_path, load_checkpoint, save_checkpoint
 from clipless.cli import main as cli_main
 from clipless.data.datasets import load_digits
 from clipless.contrastive.logit_dp import (
@@ -480,6 +481,8 @@ def test_checkpoint_keeps_accountant(tmp_path) -> None:
     state = load_checkpoint(tmp_path / "c.pt")
     state["steps"] += 5
     save_checkpoint(state, tmp_path / "short.pt")
+    for name in ("short.pt", "other.pt"):  # a checkpoint travels with its key file
+        shutil.copy(fingerprint_key_path(tmp_path / "c.pt"), fingerprint_key_path(tmp_path / name))
     fresh = _trainer("logit_dp", epochs=2)
     with pytest.raises(ValueError, match="composed .* steps but the run records"):
         fresh.load_checkpoint(tmp_path / "short.pt")
@@ -517,8 +520,6 @@ def test_a_resumed_pretrainer_draws_fresh_secret_randomness(tmp_path, seed) -> N
 def test_a_pretraining_resume_on_other_records_is_refused(tmp_path) -> None:
     """A pre-trainer's checkpoint did not record its records: a resume on another dataset went on silently.
     It now keeps their digest, keyed like the classification trainer's (``checkpoint.pt.key`` beside it)."""
-    from clipless.train.checkpoint import fingerprint_key_path
-
     first = _trainer("naive_dp", epochs=1)
     first.fit()
     first.save_checkpoint(tmp_path / "c.pt")
@@ -526,7 +527,7 @@ def test_a_pretraining_resume_on_other_records_is_refused(tmp_path) -> None:
     _trainer("naive_dp", epochs=1).load_checkpoint(tmp_path / "c.pt")  # the same records: resumes
     other = _trainer("naive_dp", epochs=1)
     other.pairs = AugmentedPairs(other.pairs.images.flip(0), 1, False)  # the same records, another order
-    with pytest.raises(ValueError, match="pre-trained on other records"):
+    with pytest.raises(ValueError, match="train_data=.*resume with the same records in the same order"):
         other.load_checkpoint(tmp_path / "c.pt")
     fingerprint_key_path(tmp_path / "c.pt").unlink()
     with pytest.raises(ValueError, match="its key file c.pt.key is missing"):

@@ -25,8 +25,8 @@ from ..privacy.noise import add_gaussian_noise_
 from ..privacy.distributed import world
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
-from ..train.checkpoint import (check_fits, fingerprint_key_for, fingerprint_key_path, keyed_fingerprint,
-                                load_checkpoint, read_fingerprint_key, save_checkpoint)
+from ..train.checkpoint import (check_fits, check_records, fingerprint_key_for, keyed_fingerprint, load_checkpoint,
+                                read_fingerprint_key, save_checkpoint)
 from .logit_dp import (
     LOSS_FUNCTIONS,
     logit_dp_gradient,
@@ -293,13 +293,8 @@ class ContrastivePretrainer:
                 raise ValueError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, not {mine!r}: resume "
                                  "with the same privacy configuration")
         if saved.get("train_data") is not None:  # absent from checkpoints of earlier versions
-            fingerprint_key = read_fingerprint_key(path)
-            if fingerprint_key is None:
-                raise ValueError(f"checkpoint {path}: its key file {fingerprint_key_path(path).name} is missing (it "
-                                 "keys the checkpoint's digest of the records): copy it with the checkpoint")
-            if saved["train_data"] != keyed_fingerprint(self._data_fingerprint, fingerprint_key):
-                raise ValueError(f"checkpoint {path} was pre-trained on other records: resume with the same records "
-                                 "in the same order")
+            check_records(path, "train_data", saved["train_data"], self._data_fingerprint, read_fingerprint_key(path),
+                          "in the same order")
         if self.accountant is not None:
             check_accounted_steps(state["accountant"], state.get("steps"), path)
         check_fits(self.encoder, state["encoder"], path, "encoder")

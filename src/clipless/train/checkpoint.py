@@ -18,7 +18,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "write_atomically", "check_fits",
-           "keyed_fingerprint", "read_fingerprint_key", "fingerprint_key_for", "fingerprint_key_path"]
+           "keyed_fingerprint", "read_fingerprint_key", "fingerprint_key_for", "fingerprint_key_path",
+           "check_records"]
 
 MAGIC = b"clipless checkpoint v1\n"
 _DIGEST_LEN = 64  # hex sha256
@@ -137,3 +138,18 @@ def read_fingerprint_key(path: Union[str, Path]) -> Optional[bytes]:
         raise CheckpointError(f"{key_path} is damaged ({len(key)} bytes, not {_KEY_BYTES}): it keys the checkpoint's "
                               "digest of the training records; resume with the key file written beside the checkpoint")
     return key
+
+
+def check_records(path: Union[str, Path], name: str, saved: Optional[str], fingerprint: Optional[str],
+                  key: Optional[bytes], hint: str) -> None:
+    """Refuse a resume whose records are not those of checkpoint ``path`` (its ``name`` digest ``saved``, keyed by
+    ``key`` from the key file beside it; None: a checkpoint of an older version, with a plain digest)."""
+    current = fingerprint if key is None else keyed_fingerprint(fingerprint, key)
+    if saved == current:
+        return
+    if key is None:
+        raise ValueError(f"checkpoint {path}: its key file {fingerprint_key_path(path).name} is missing (it keys the "
+                         "checkpoint's digest of the records, kept apart so that the checkpoint alone does not "
+                         "identify them): copy it with the checkpoint")
+    raise ValueError(f"checkpoint {path} has {name}={saved!r} but this run has {current!r}: resume with the same "
+                     f"records {hint}")

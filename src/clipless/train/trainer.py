@@ -26,7 +26,7 @@ from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import dataset_size, expected_batch_size
-from .checkpoint import (check_fits, fingerprint_key_for, fingerprint_key_path, keyed_fingerprint, load_checkpoint,
+from .checkpoint import (check_fits, check_records, fingerprint_key_for, keyed_fingerprint, load_checkpoint,
                          read_fingerprint_key, save_checkpoint)
 from .evaluation import evaluate, predictions
 
@@ -299,11 +299,11 @@ class PrivateTrainer:
         return tuple(getattr(d, "fingerprint", lambda: None)() if d is not None else None  # type: ignore[return-value]
                      for d in (self.train_data, self.test_data))
 
-    def _config(self, key: Optional[bytes]) -> Dict[str, Any]:
-        """The privacy configuration a checkpoint must share with the run that resumes it; the records' digests
-        keyed by ``key`` (None: the plain digests that checkpoints of older versions recorded)."""
+    def _config(self, key: bytes) -> Dict[str, Any]:
+        """The privacy configuration a checkpoint must share with the run that resumes it, with the records'
+        digests keyed by ``key``."""
         plan = self.optimizer.plan
-        train_digest, test_digest = (d if key is None else keyed_fingerprint(d, key) for d in self._data_fingerprints)
+        train_digest, test_digest = (keyed_fingerprint(d, key) for d in self._data_fingerprints)
         return {
             "accountant": self.accountant.mechanism,
             "sample_rate": self.sample_rate,
@@ -364,7 +364,7 @@ class PrivateTrainer:
                 "restart training from scratch"
             )
         fingerprint_key = read_fingerprint_key(path)  # None: a checkpoint of an older version, plain digests
-        saved, current = state.get("config", {}), self._config(fingerprint_key)
+        saved, current = state.get("config", {}), self._config(fingerprint_key or b"")
         mechanism = accountant_state.get("mechanism")
         if mechanism != self.accountant.mechanism:
             raise ValueError(
@@ -376,15 +376,13 @@ class PrivateTrainer:
             if key not in saved:
                 raise ValueError(f"checkpoint {path} does not record {key!r}: it was written by an older version; "
                                  "restart training")
-            if saved[key] != current[key] and key.endswith("_data") and fingerprint_key is None:
-                raise ValueError(f"checkpoint {path}: its key file {fingerprint_key_path(path).name} is missing (it "
-                                 "keys the checkpoint's digest of the records, kept apart so that the checkpoint alone "
-                                 "does not identify them): copy it with the checkpoint")
-            if saved[key] != current[key]:
-                what = ("the same records and train/test split (dataset, data files, --seed)" if key.endswith("_data")
-                        else "the same privacy configuration")
+            if key.endswith("_data"):
+                fingerprint = self._data_fingerprints[0 if key == "train_data" else 1]
+                check_records(path, key, saved[key], fingerprint, fingerprint_key,
+                              "and train/test split (dataset, data files, --seed)")
+            elif saved[key] != current[key]:
                 raise ValueError(f"checkpoint {path} has {key}={saved[key]!r} but this run has {current[key]!r}: "
-                                 f"resume with {what}")
+                                 "resume with the same privacy configuration")
         saved_world = state.get("world_size", 1)
         if saved_world != self.world_size:
             raise ValueError(f"checkpoint {path} was written by a run of {saved_world} process(es), this run has "
