@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch.utils.data import Dataset
 
-from ..data.datasets import check_finite
+from ..data.datasets import check_finite, tensors_fingerprint
 
 __all__ = ["crop_flip", "random_crop_flip", "gaussian_blur", "AugmentedPairs", "GivenPairs"]
 
@@ -186,9 +186,4 @@ class GivenPairs(Dataset):
 
     def fingerprint(self) -> str:
         """A digest of the pairs, in order (a pre-training resume on other records is refused)."""
-        digest = hashlib.blake2b(digest_size=16)
-        for t in (self.xa, self.xb):
-            t = t.detach().cpu().contiguous()
-            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return digest.hexdigest()
+        return tensors_fingerprint(self.xa, self.xb)

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 __all__ = [
     "ArrayDataset",
+    "tensors_fingerprint",
     "DataSplit",
     "load_digits",
     "load_mnist",
@@ -43,6 +44,16 @@ __all__ = [
 ]
 
 
+def tensors_fingerprint(*tensors: torch.Tensor) -> str:
+    """BLAKE2b of the tensors' dtypes, shapes and bytes, in order."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
 class ArrayDataset(Dataset):
     """In-memory ``(features, labels)`` dataset; batches are gathered in one indexing op."""
 
@@ -60,12 +71,7 @@ class ArrayDataset(Dataset):
 
     def fingerprint(self) -> str:
         """A digest of the records (features, labels, order): a resume on other data or another split is refused."""
-        digest = hashlib.blake2b(digest_size=16)
-        for tensor in (self.features, self.labels):
-            t = tensor.detach().cpu().contiguous()
-            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return digest.hexdigest()
+        return tensors_fingerprint(self.features, self.labels)
 
     def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """A whole batch in one indexing operation (used by the Poisson loader)."""
