@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import clipless as cl
+from clipless.cli import ONE_RUN_NOTE
 from clipless.diagnostics import audit_step, loss_scores, mislabelled_canaries, one_run_audit
 from clipless.diagnostics.plots import plot_audit_scores, plot_audit_tightness
 from report import print_table, write_json
@@ -131,7 +132,8 @@ def main() -> None:
             [f"{r['target_epsilon']:10.1f} {r['epsilon_claimed']:8.3f} {r['epsilon_lower']:7.3f} {r['guesses']:7d} "
              f"{r['correct']:7d} {r['auroc']:6.3f} {r['test_accuracy']:8.4f} {r['seconds']:5.0f}" for r in one_run],
         )
-    write_json(args.out, {"config": vars(args), "torch": torch.__version__, "step_audits": steps, "one_run": one_run})
+    write_json(args.out, {"config": vars(args), "torch": torch.__version__, "step_audits": steps, "one_run": one_run,
+                          "one_run_note": ONE_RUN_NOTE})
 
 
 if __name__ == "__main__":

@@ -818,6 +818,10 @@ def run_audit(config: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any
                                seed=config["noise_seed"])
     record = {**result.to_dict(), **extra, "dataset": data.name, "config": config,
               **randomness_label(config["noise_seed"])}
+    if args.mode == "one-run":  # the training ran privately, but what is scored are training records
+        record["private"] = False
+        record["privacy_note"] = ONE_RUN_NOTE + ("" if record["randomness"] == "os-entropy"
+                                                 else "; and " + record["privacy_note"])
     if args.noise_scale != 1.0:
         record["diagnostic"] = (f"the audited mechanism drew {args.noise_scale:g} x the planned noise while claiming "
                                 "the plan (--noise-scale): a deliberate bug, not a clipless run")
@@ -830,6 +834,13 @@ def run_audit(config: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any
         print(f"no plot: {err}", file=sys.stderr)
     record["summary"] = result.summary_line()
     return record
+
+
+# The one-run audit scores each canary (a training record with a wrong label) by its loss under the trained model:
+# the scores, the guesses, the summary and audit.png are statistics of those records without noise.
+ONE_RUN_NOTE = ("the canaries are training records: their scores and the guesses, this audit's summary and "
+                "audit.png are statistics of those records without noise, NOT a private release (keep them with "
+                "the data); the training itself ran privately")
 
 
 def _privacy_status(result: Dict[str, Any]) -> str:

@@ -256,12 +256,15 @@ def test_cli_audit_catches_a_noise_bug(tmp_path, capsys) -> None:
     assert "VIOLATION" in capsys.readouterr().out and "diagnostic" in record
 
 
-def test_cli_one_run_audit(tmp_path) -> None:
+def test_cli_one_run_audit(tmp_path, capsys) -> None:
     assert main(["audit", "--mode", "one-run", "--trials", "100", "--epochs", "3", "--output-dir", str(tmp_path),
                  "--no-progress"]) == 0
     record = json.loads((tmp_path / "audit.json").read_text())
     assert record["mode"] == "one-run" and record["canaries"] == 100 and record["verdict"] == "consistent"
     assert record["epsilon_claimed"] <= 3.0 + 1e-9
+    # the canaries are training records scored without noise: the audit's files are labelled non-private
+    assert record["private"] is False and "training records" in record["privacy_note"]
+    assert "NOT PRIVATE: the canaries are training records" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -241,9 +241,10 @@ def one_run_bound(scores: Sequence[float], included: Sequence[bool], delta: floa
 class AuditResult:
     """An empirical audit: a lower bound on epsilon at ``confidence`` next to the claimed epsilon.
 
-    ``scores_out`` / ``scores_in`` are the attack's scores on D and D' (or non-members and members); they
-    come from noisy releases of the mechanism, or from a privately trained model, never from training data
-    without noise.
+    ``scores_out`` / ``scores_in`` are the attack's scores on D and D' (or non-members and members): noisy
+    releases of the mechanism (step audit), or records scored by a privately trained model (one-run and
+    membership audits). Those scores are statistics of the scored records without noise: such a result is
+    not a private release (``clipless audit --mode one-run`` labels its files so).
     """
 
     mode: str
