@@ -1,6 +1,7 @@
 """Per-step time and peak memory vs batch size: clipless DP-SGD, Opacus DP-SGD, non-private.
 
     python benchmarks/speed.py --batch-sizes 64 256 1024 4096 --out results/speed.json
+    python benchmarks/speed.py --models cnn --batch-sizes 256 1024 --allocators system tuned  # both, side by side
 
 Every (method, model, batch) runs in ``--rounds`` separate processes, in alternating order (peak memory =
 peak RSS, or CUDA peak allocation, minus the memory in use before the first step). Time = median of the
@@ -15,6 +16,10 @@ varies by about +-15% from one process to the next, so single-process ratios are
   opacus     Opacus DP-SGD step of the standard model (per-example gradients, clipping, noise, Adam)
   ghost      Opacus DP-SGD with ghost clipping (grad_sample_mode="ghost": per-example norms without
              per-example gradients, two backward passes), where the installed Opacus has it
+
+Allocator (every method alike): ``tuned`` calls ``clipless.train.tune_cpu_allocator()`` in the worker, as the
+CLI does (glibc keeps freed blocks up to 32 MiB for the next step); ``system`` leaves glibc's defaults, which
+hand activation memory back to the OS and fault it in again each step.
 
 Ratios: clipless / standard (the promise: a private step at the price of an ordinary step of an ordinary
 network), clipless / lipschitz (the cost of privacy on the same model), clipless / unguarded (the cost of
@@ -135,7 +140,12 @@ def _build(method: str, model_name: str, batch: int, device: str):
     return step
 
 
-def worker(method: str, model_name: str, batch: int, repeats: int, threads: int, device: str) -> None:
+def worker(method: str, model_name: str, batch: int, repeats: int, threads: int, device: str,
+           allocator: str) -> None:
+    if allocator == "tuned":
+        from clipless.train import tune_cpu_allocator
+
+        tune_cpu_allocator()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     step = _build(method, model_name, batch, device)
@@ -169,64 +179,69 @@ def main() -> None:
                         help="processes per (method, batch), run in alternating order; times are pooled")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--allocators", nargs="+", default=["tuned"], choices=["tuned", "system"],
+                        help="C allocator settings of the workers (module doc); several: rows for each")
+    parser.add_argument("--allocator", default="tuned", choices=["tuned", "system"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/speed.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "MODEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.repeats, args.threads, args.device)
+        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.repeats, args.threads, args.device,
+               args.allocator)
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from report import print_table, write_json
 
     rows = []
-    for model_name in args.models:
-        for b in args.batch_sizes:
-            row = {"model": model_name, "batch": b}
-            pooled: dict = {m: [] for m in args.methods}
-            process_medians: dict = {m: [] for m in args.methods}
-            peaks: dict = {m: 0.0 for m in args.methods}
-            for r in range(args.rounds):
-                # Alternate the order so that drift of the machine's speed hits every method alike.
-                for method in (args.methods if r % 2 == 0 else args.methods[::-1]):
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--worker", method, model_name, str(b), "--repeats",
-                         str(args.repeats), "--threads", str(args.threads), "--device", args.device],
-                        capture_output=True, text=True,
-                    )
-                    if out.returncode != 0:
-                        raise RuntimeError(f"{method} {model_name} b={b} failed:\n{out.stderr[-2000:]}")
-                    measured = json.loads(out.stdout.strip().splitlines()[-1])
-                    pooled[method] += measured["times_s"]
-                    process_medians[method].append(1e3 * measured["median_s"])
-                    peaks[method] = max(peaks[method], measured["peak_mb"])
-            for method in args.methods:
-                row[f"{method}_ms"] = 1e3 * statistics.median(pooled[method])
-                row[f"{method}_process_medians_ms"] = process_medians[method]
-                row[f"{method}_mb"] = peaks[method]
-            if "clipless_ms" in row and "lipschitz_ms" in row:
-                row["clipless/lipschitz"] = row["clipless_ms"] / row["lipschitz_ms"]
-            if "clipless_ms" in row and "unguarded_ms" in row:
-                row["clipless/unguarded"] = row["clipless_ms"] / row["unguarded_ms"]
-            if "opacus_ms" in row and "standard_ms" in row:
-                row["opacus/standard"] = row["opacus_ms"] / row["standard_ms"]
-            for other in ("standard", "opacus", "ghost"):
-                if "clipless_ms" in row and f"{other}_ms" in row:
-                    row[f"clipless/{other}"] = row["clipless_ms"] / row[f"{other}_ms"]
-            if "clipless_mb" in row and "standard_mb" in row and row["standard_mb"] > 0:
-                row["clipless/standard MB"] = row["clipless_mb"] / row["standard_mb"]
-            rows.append(row)
-            print(row, flush=True)
+    for model_name, b, allocator in [(m, b, a) for m in args.models for b in args.batch_sizes
+                                     for a in args.allocators]:
+        row = {"model": model_name, "batch": b, "allocator": allocator}
+        pooled: dict = {m: [] for m in args.methods}
+        process_medians: dict = {m: [] for m in args.methods}
+        peaks: dict = {m: 0.0 for m in args.methods}
+        for r in range(args.rounds):
+            # Alternate the order so that drift of the machine's speed hits every method alike.
+            for method in (args.methods if r % 2 == 0 else args.methods[::-1]):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--worker", method, model_name, str(b), "--repeats",
+                     str(args.repeats), "--threads", str(args.threads), "--device", args.device,
+                     "--allocator", allocator],
+                    capture_output=True, text=True,
+                )
+                if out.returncode != 0:
+                    raise RuntimeError(f"{method} {model_name} b={b} failed:\n{out.stderr[-2000:]}")
+                measured = json.loads(out.stdout.strip().splitlines()[-1])
+                pooled[method] += measured["times_s"]
+                process_medians[method].append(1e3 * measured["median_s"])
+                peaks[method] = max(peaks[method], measured["peak_mb"])
+        for method in args.methods:
+            row[f"{method}_ms"] = 1e3 * statistics.median(pooled[method])
+            row[f"{method}_process_medians_ms"] = process_medians[method]
+            row[f"{method}_mb"] = peaks[method]
+        if "clipless_ms" in row and "lipschitz_ms" in row:
+            row["clipless/lipschitz"] = row["clipless_ms"] / row["lipschitz_ms"]
+        if "clipless_ms" in row and "unguarded_ms" in row:
+            row["clipless/unguarded"] = row["clipless_ms"] / row["unguarded_ms"]
+        if "opacus_ms" in row and "standard_ms" in row:
+            row["opacus/standard"] = row["opacus_ms"] / row["standard_ms"]
+        for other in ("standard", "opacus", "ghost"):
+            if "clipless_ms" in row and f"{other}_ms" in row:
+                row[f"clipless/{other}"] = row["clipless_ms"] / row[f"{other}_ms"]
+        if "clipless_mb" in row and "standard_mb" in row and row["standard_mb"] > 0:
+            row["clipless/standard MB"] = row["clipless_mb"] / row["standard_mb"]
+        rows.append(row)
+        print(row, flush=True)
 
     def cell(r, key, fmt):
         return format(r[key], fmt) if key in r else "-"
 
     print_table(
-        f"{'model':5} {'batch':>6} " + " ".join(f"{m + ' ms':>13}" for m in args.methods)
+        f"{'model':5} {'batch':>6} {'alloc':>6} " + " ".join(f"{m + ' ms':>13}" for m in args.methods)
         + f" {'clipless/std':>12} {'clipless/lip':>12} {'clipless/ung':>12} {'opacus/std':>10} {'cl/opacus':>9}"
         + f" {'cl/ghost':>8} {'cl/std MB':>9} "
         + " ".join(f"{m + ' MB':>13}" for m in args.methods),
-        [f"{r['model']:5} {r['batch']:6d} " + " ".join(f"{cell(r, m + '_ms', '.2f'):>13}" for m in args.methods)
+        [f"{r['model']:5} {r['batch']:6d} {r['allocator']:>6} " + " ".join(f"{cell(r, m + '_ms', '.2f'):>13}" for m in args.methods)
          + f" {cell(r, 'clipless/standard', '.3f'):>12} {cell(r, 'clipless/lipschitz', '.3f'):>12}"
          + f" {cell(r, 'clipless/unguarded', '.3f'):>12} {cell(r, 'opacus/standard', '.3f'):>10}"
          + f" {cell(r, 'clipless/opacus', '.3f'):>9} {cell(r, 'clipless/ghost', '.3f'):>8}"
@@ -234,6 +249,7 @@ def main() -> None:
          + " ".join(f"{cell(r, m + '_mb', '.0f'):>13}" for m in args.methods) for r in rows],
     )
     write_json(args.out, {"threads": args.threads, "device": args.device, "torch": torch.__version__,
+                          "allocators": args.allocators,
                           "repeats": args.repeats, "rows": rows})
     plot_path = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
     plot(rows, args.methods, plot_path)
@@ -246,12 +262,13 @@ def plot(rows, methods, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for model_name in sorted({r["model"] for r in rows}):
-        sub = [r for r in rows if r["model"] == model_name]
+    for model_name, allocator in sorted({(r["model"], r["allocator"]) for r in rows}):
+        sub = [r for r in rows if r["model"] == model_name and r["allocator"] == allocator]
         bs = [r["batch"] for r in sub]
         for m in methods:
-            ax1.plot(bs, [r[f"{m}_ms"] for r in sub], "o-", label=f"{model_name} {m}")
-            ax2.plot(bs, [max(r[f"{m}_mb"], 1e-1) for r in sub], "o-", label=f"{model_name} {m}")
+            label = f"{model_name} {m} ({allocator})"
+            ax1.plot(bs, [r[f"{m}_ms"] for r in sub], "o-" if allocator == "tuned" else "x--", label=label)
+            ax2.plot(bs, [max(r[f"{m}_mb"], 1e-1) for r in sub], "o-" if allocator == "tuned" else "x--", label=label)
     ax1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="median step time (ms)")
     ax2.set(xscale="log", yscale="log", xlabel="batch size", ylabel="peak memory increase (MB)")
     ax1.legend(fontsize=7)
