@@ -241,7 +241,8 @@ def main() -> None:
         + f" {'clipless/std':>12} {'clipless/lip':>12} {'clipless/ung':>12} {'opacus/std':>10} {'cl/opacus':>9}"
         + f" {'cl/ghost':>8} {'cl/std MB':>9} "
         + " ".join(f"{m + ' MB':>13}" for m in args.methods),
-        [f"{r['model']:5} {r['batch']:6d} {r['allocator']:>6} " + " ".join(f"{cell(r, m + '_ms', '.2f'):>13}" for m in args.methods)
+        [f"{r['model']:5} {r['batch']:6d} {r['allocator']:>6} "
+         + " ".join(f"{cell(r, m + '_ms', '.2f'):>13}" for m in args.methods)
          + f" {cell(r, 'clipless/standard', '.3f'):>12} {cell(r, 'clipless/lipschitz', '.3f'):>12}"
          + f" {cell(r, 'clipless/unguarded', '.3f'):>12} {cell(r, 'opacus/standard', '.3f'):>10}"
          + f" {cell(r, 'clipless/opacus', '.3f'):>9} {cell(r, 'clipless/ghost', '.3f'):>8}"

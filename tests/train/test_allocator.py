@@ -37,7 +37,8 @@ _PROBE = textwrap.dedent("""
 
 
 def _returned_mb(mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode, allocator.__file__], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode, allocator.__file__], capture_output=True, text=True,
+                         check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 

@@ -3,9 +3,9 @@
 glibc's ``malloc`` serves blocks above a threshold (128 KiB, raised as such blocks are freed) with fresh
 ``mmap`` pages and trims the heap top once more than twice that threshold is free. A training step frees and
 re-allocates the same activation-sized blocks every time, so each step writes into pages the kernel must fault
-in and zero again. Keeping those blocks made the private CNN step 18% (batch 256) and 38% (batch 1024) faster on
-a 2-core machine (``benchmarks/speed.py --allocators system tuned``, docs/results.md). The CLI tunes the allocator of its own
-process; code that imports clipless calls :func:`tune_cpu_allocator` itself.
+in and zero again. Keeping those blocks made the private CNN step 18% (batch 256) and 38% (batch 1024) faster
+on a 2-core machine (``benchmarks/speed.py --allocators system tuned``, docs/results.md). The CLI tunes the
+allocator of its own process; code that imports clipless calls :func:`tune_cpu_allocator` itself.
 """
 
 from __future__ import annotations
