@@ -266,10 +266,11 @@ def plot(rows, methods, path: Path) -> None:
     for model_name, allocator in sorted({(r["model"], r["allocator"]) for r in rows}):
         sub = [r for r in rows if r["model"] == model_name and r["allocator"] == allocator]
         bs = [r["batch"] for r in sub]
+        style = "o-" if allocator == "tuned" else "x--"
         for m in methods:
             label = f"{model_name} {m} ({allocator})"
-            ax1.plot(bs, [r[f"{m}_ms"] for r in sub], "o-" if allocator == "tuned" else "x--", label=label)
-            ax2.plot(bs, [max(r[f"{m}_mb"], 1e-1) for r in sub], "o-" if allocator == "tuned" else "x--", label=label)
+            ax1.plot(bs, [r[f"{m}_ms"] for r in sub], style, label=label)
+            ax2.plot(bs, [max(r[f"{m}_mb"], 1e-1) for r in sub], style, label=label)
     ax1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="median step time (ms)")
     ax2.set(xscale="log", yscale="log", xlabel="batch size", ylabel="peak memory increase (MB)")
     ax1.legend(fontsize=7)
