@@ -2,12 +2,15 @@
 
     python benchmarks/logit_dp_memory.py --batch-sizes 64 256 1024 --out results/logit_dp_memory.json
     python benchmarks/logit_dp_memory.py --encoder cnn --batch-sizes 64 256 1024 --out results/logit_dp_memory_cnn.json
+    python benchmarks/logit_dp_memory.py --encoder cnn --batch-sizes 1024 --allocator system  # glibc's defaults
 
 Each (method, n) runs in its own process; peak memory = peak RSS minus the RSS before the first step.
 The columns ``n^2 d^2`` and ``n^2 p`` give, in MB of float32, the size of all d x d Gram blocks and of
 all n^2 parameter-sized pair gradients (what a per-pair implementation would materialize).  Logit-DP
 never builds either: it contracts the Gram blocks with the embeddings as it forms them
 (``clipless.contrastive.logit_dp``), so its memory stays below the ``n^2 d^2`` column.
+``--allocator tuned`` (the default, as ``clipless pretrain`` runs) calls ``clipless.train.tune_cpu_allocator()``
+in every worker; ``system`` keeps glibc's defaults (the tables of docs/results.md before its allocator section).
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ from report import rss_mb
 METHODS = ("logit_dp", "naive_dp", "nonprivate")
 
 
-def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_kind: str, channels: list) -> None:
+def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_kind: str, channels: list,
+           allocator: str) -> None:
+    if allocator == "tuned":
+        from clipless.train import tune_cpu_allocator
+
+        tune_cpu_allocator()
     from clipless.contrastive.logit_dp import logit_dp_gradient, naive_dp_gradient, nonprivate_gradient
     from clipless.contrastive.pretrain import build_encoder
 
@@ -63,6 +71,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=None,
                         help="examples per conv Jacobian chunk (default: clipless.contrastive.logit_dp.CHUNK)")
+    parser.add_argument("--allocator", choices=["tuned", "system"], default="tuned",
+                        help="C allocator settings of the workers (module doc)")
     parser.add_argument("--out", default="results/logit_dp_memory.json")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -73,7 +83,7 @@ def main() -> None:
         logit_dp.CHUNK = args.chunk
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.repeats, args.hidden, args.embedding_dim, args.encoder,
-               args.channels)
+               args.channels, args.allocator)
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from report import print_table, write_json
@@ -86,6 +96,7 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", method, str(n), "--repeats", str(args.repeats),
                  "--threads", str(args.threads), "--embedding-dim", str(d), "--encoder", args.encoder,
+                 "--allocator", args.allocator,
                  "--channels", *map(str, args.channels), "--hidden", *map(str, args.hidden),
                  *(["--chunk", str(args.chunk)] if args.chunk is not None else [])],
                 capture_output=True, text=True,
@@ -106,7 +117,8 @@ def main() -> None:
          + " ".join(f"{r[m + '_mb']:14.0f}" for m in args.methods)
          + f" {r['gram_blocks_mb']:11.0f} {r['pair_gradients_mb']:11.3g}" for r in rows],
     )
-    write_json(args.out, {"threads": args.threads, "encoder": args.encoder, "hidden": args.hidden,
+    write_json(args.out, {"threads": args.threads, "allocator": args.allocator, "encoder": args.encoder,
+                          "hidden": args.hidden,
                           "channels": args.channels if args.encoder == "cnn" else None, "embedding_dim": d,
                           "torch": torch.__version__, "rows": rows})
 
