@@ -3,9 +3,9 @@
 glibc's ``malloc`` serves blocks above a threshold (128 KiB, raised as such blocks are freed) with fresh
 ``mmap`` pages and trims the heap top once more than twice that threshold is free. A training step frees and
 re-allocates the same activation-sized blocks every time, so each step writes into pages the kernel must fault
-in and zero again. Keeping those blocks made the private CNN step 18% (batch 256) and 38% (batch 1024) faster
-on a 2-core machine (``benchmarks/speed.py --allocators system tuned``, docs/results.md). The CLI tunes the
-allocator of its own process; code that imports clipless calls :func:`tune_cpu_allocator` itself.
+in and zero again. Keeping those blocks made the private CNN step 14-18% (batch 256) and 32-38% (batch 1024)
+faster in two runs on a 2-core machine (``benchmarks/speed.py --allocators system tuned``, docs/results.md).
+The CLI tunes the allocator of its own process; code that imports clipless calls :func:`tune_cpu_allocator`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def tune_cpu_allocator() -> bool:
     """Keep freed memory in the process: ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` and ``mallopt(M_TRIM_THRESHOLD,
     2^31 - 1)``, so blocks up to 32 MiB are reused without page faults (as PyTorch's CUDA caching allocator reuses
     device memory). The resident memory then stays near its peak instead of falling between steps, and the peak
-    can be higher (reused blocks fit less tightly: 380 against 320 MB for the private CNN step at batch 1024).
-    Returns whether it applied: Linux with glibc only (elsewhere, a no-op returning ``False``).
+    can be higher (reused blocks fit less tightly: 380-411 against 315-320 MB for the private CNN step at batch
+    1024). Returns whether it applied: Linux with glibc only (elsewhere, a no-op returning ``False``).
     Process-wide and permanent; calling it again changes nothing."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
