@@ -25,17 +25,14 @@ import time
 from pathlib import Path
 
 import torch
-from report import rss_mb
+from report import ALLOCATORS, rss_mb, use_allocator
 
 METHODS = ("logit_dp", "naive_dp", "nonprivate")
 
 
 def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_kind: str, channels: list,
            allocator: str) -> None:
-    if allocator == "tuned":
-        from clipless.train import tune_cpu_allocator
-
-        tune_cpu_allocator()
+    use_allocator(allocator)
     from clipless.contrastive.logit_dp import logit_dp_gradient, naive_dp_gradient, nonprivate_gradient
     from clipless.contrastive.pretrain import build_encoder
 
@@ -71,7 +68,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=None,
                         help="examples per conv Jacobian chunk (default: clipless.contrastive.logit_dp.CHUNK)")
-    parser.add_argument("--allocator", choices=["tuned", "system"], default="tuned",
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
                         help="C allocator settings of the workers (module doc)")
     parser.add_argument("--out", default="results/logit_dp_memory.json")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-"""Shared output of the benchmark scripts: a printed table and a JSON file."""
+"""Shared output of the benchmark scripts: a printed table and a JSON file; the workers' allocator setting."""
 
 from __future__ import annotations
 
@@ -26,3 +26,14 @@ def rss_mb() -> float:
     """Resident set size of this process now, in MB (peak RSS comes from ``resource.getrusage``)."""
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * resource.getpagesize() / 2 ** 20
+
+
+# A worker's C allocator: "tuned" as the CLI runs (clipless.train.tune_cpu_allocator), "system" glibc's defaults.
+ALLOCATORS = ("tuned", "system")
+
+
+def use_allocator(name: str) -> None:
+    if name == "tuned":
+        from clipless.train import tune_cpu_allocator
+
+        tune_cpu_allocator()

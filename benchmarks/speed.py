@@ -40,7 +40,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from report import rss_mb
+from report import ALLOCATORS, rss_mb, use_allocator
 
 METHODS = ("lipschitz", "clipless", "unguarded", "standard", "opacus", "ghost")
 
@@ -142,10 +142,7 @@ def _build(method: str, model_name: str, batch: int, device: str):
 
 def worker(method: str, model_name: str, batch: int, repeats: int, threads: int, device: str,
            allocator: str) -> None:
-    if allocator == "tuned":
-        from clipless.train import tune_cpu_allocator
-
-        tune_cpu_allocator()
+    use_allocator(allocator)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     step = _build(method, model_name, batch, device)
@@ -179,9 +176,9 @@ def main() -> None:
                         help="processes per (method, batch), run in alternating order; times are pooled")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--allocators", nargs="+", default=["tuned"], choices=["tuned", "system"],
+    parser.add_argument("--allocators", nargs="+", default=["tuned"], choices=ALLOCATORS,
                         help="C allocator settings of the workers (module doc); several: rows for each")
-    parser.add_argument("--allocator", default="tuned", choices=["tuned", "system"], help=argparse.SUPPRESS)
+    parser.add_argument("--allocator", default="tuned", choices=ALLOCATORS, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/speed.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "MODEL", "BATCH"), help=argparse.SUPPRESS)
