@@ -22,7 +22,7 @@ _PROBE = textwrap.dedent("""
     if sys.argv[1] == "tuned":
         assert allocator.tune_cpu_allocator()
     else:  # glibc's initial mmap threshold, held fixed: how much its defaults return depends on what ran before
-        ctypes.CDLL(None).mallopt(-3, 128 * 1024)
+        ctypes.CDLL(None).mallopt(allocator._M_MMAP_THRESHOLD, 128 * 1024)
     page = os.sysconf("SC_PAGE_SIZE")
     def resident():
         with open("/proc/self/statm") as fh:
