@@ -3,6 +3,7 @@
     python benchmarks/logit_dp_memory.py --batch-sizes 64 256 1024 --out results/logit_dp_memory.json
     python benchmarks/logit_dp_memory.py --encoder cnn --batch-sizes 64 256 1024 --out results/logit_dp_memory_cnn.json
     python benchmarks/logit_dp_memory.py --encoder cnn --batch-sizes 1024 --allocator system  # glibc's defaults
+    python benchmarks/logit_dp_memory.py --encoder cnn --channels 8 16 --input-pool 2 --batch-sizes 512 1024
 
 Each (method, n) runs in its own process; peak memory = peak RSS minus the RSS before the first step.
 The columns ``n^2 d^2`` and ``n^2 p`` give, in MB of float32, the size of all d x d Gram blocks and of
@@ -31,13 +32,14 @@ METHODS = ("logit_dp", "naive_dp", "nonprivate")
 
 
 def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_kind: str, channels: list,
-           allocator: str) -> None:
+           allocator: str, input_pool: int) -> None:
     use_allocator(allocator)
     from clipless.contrastive.logit_dp import logit_dp_gradient, naive_dp_gradient, nonprivate_gradient
     from clipless.contrastive.pretrain import build_encoder
 
     torch.manual_seed(0)
-    encoder = build_encoder(encoder_kind, (1, 28, 28), dim, hidden=hidden, channels=channels)  # as the CLI's
+    encoder = build_encoder(encoder_kind, (1, 28, 28), dim, hidden=hidden, channels=channels,
+                            input_pool=input_pool)  # as the CLI's
     xa, xb = torch.rand(n, 1, 28, 28), torch.rand(n, 1, 28, 28)
     step = {
         "logit_dp": lambda: logit_dp_gradient(encoder, xa, xb, "contrastive", 1.0, 1.0),
@@ -64,6 +66,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, nargs="*", default=[256])
     parser.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")
     parser.add_argument("--embedding-dim", type=int, default=32)
+    parser.add_argument("--input-pool", type=int, default=1, metavar="K",
+                        help="average K x K pixel windows before the encoder (clipless pretrain --input-pool)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=None,
@@ -80,7 +84,7 @@ def main() -> None:
         logit_dp.CHUNK = args.chunk
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.repeats, args.hidden, args.embedding_dim, args.encoder,
-               args.channels, args.allocator)
+               args.channels, args.allocator, args.input_pool)
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from report import print_table, write_json
@@ -93,7 +97,7 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", method, str(n), "--repeats", str(args.repeats),
                  "--threads", str(args.threads), "--embedding-dim", str(d), "--encoder", args.encoder,
-                 "--allocator", args.allocator,
+                 "--allocator", args.allocator, "--input-pool", str(args.input_pool),
                  "--channels", *map(str, args.channels), "--hidden", *map(str, args.hidden),
                  *(["--chunk", str(args.chunk)] if args.chunk is not None else [])],
                 capture_output=True, text=True,
@@ -117,6 +121,7 @@ def main() -> None:
     write_json(args.out, {"threads": args.threads, "allocator": args.allocator, "encoder": args.encoder,
                           "hidden": args.hidden,
                           "channels": args.channels if args.encoder == "cnn" else None, "embedding_dim": d,
+                          "input_pool": args.input_pool,
                           "torch": torch.__version__, "rows": rows})
 
 

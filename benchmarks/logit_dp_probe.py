@@ -3,6 +3,8 @@ untrained encoders (issue 19, item 1).
 
     python benchmarks/logit_dp_probe.py --data-dir ../shared/data/mnist --seeds 0 1 2 --out results/logit_dp_probe.json
     python benchmarks/logit_dp_probe.py --dataset digits --seeds 0 1 2      # the fast check on the embedded digits
+    python benchmarks/logit_dp_probe.py --data-dir ../shared/data/mnist --encoder cnn --channels 8 16 --input-pool 2 \
+        --batch-size 512 --epochs 3 --seeds 0 1 2 --out results/logit_dp_probe_cnn.json  # CNN encoder, ~20 min/seed
 
 Protocol:
 
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
 
     torch.manual_seed(seed)
     encoder = build_encoder(args.encoder, data.input_shape, args.embedding_dim, hidden=args.hidden,
-                            channels=args.channels)  # the CLI's `clipless pretrain --encoder`
+                            channels=args.channels, input_pool=args.input_pool)  # the CLI's `clipless pretrain`
     start = time.perf_counter()
     out: dict = {"method": method, "seed": seed, "epsilon": None}
     if method != "untrained":
@@ -98,12 +100,17 @@ def main() -> None:
     p.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp",
                    help="cnn: about 34 s per Logit-DP step at batch 1024 on 2 cores (docs/results.md)")
     p.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")
+    p.add_argument("--input-pool", type=int, default=1, metavar="K",
+                   help="average K x K pixel windows before the encoder (after the crops): fewer conv positions")
     p.add_argument("--validation", type=int, default=0, metavar="N",
                    help="hold out the last N training images for evaluation instead of the test split")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/logit_dp_probe.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    from clipless.train import tune_cpu_allocator
+
+    tune_cpu_allocator()  # as `clipless pretrain` does
     mnist = args.dataset == "mnist"
     args.batch_size = args.batch_size or (1024.0 if mnist else 256.0)
     args.epochs = args.epochs or (5 if mnist else 30)

@@ -296,6 +296,9 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp")
     pre.add_argument("--hidden", type=int, nargs="*", default=[256], help="hidden widths of the encoder")
     pre.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")
+    pre.add_argument("--input-pool", type=int, default=1, metavar="K",
+                     help="average K x K pixel windows of each view before the encoder: K^2 fewer positions per "
+                     "convolution, hence cheaper Logit-DP steps for the cnn encoder")
     pre.add_argument("--embedding-dim", type=int, default=32)
     pre.add_argument("--tau", type=float, default=1.0, help="temperature of the similarity logits")
     pre.add_argument("--clip-norm", type=float, default=1.0,
@@ -710,7 +713,8 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
               ("--clip-norm", _number(float, 0), args.clip_norm), ("--epsilon", SCHEMA["epsilon"], args.epsilon),
               ("--delta", SCHEMA["delta"], args.delta), ("--noise-multiplier", SCHEMA["noise_multiplier"],
                                                         args.noise_multiplier),
-              ("--batch-size", SCHEMA["batch_size"], args.batch_size), ("--epochs", SCHEMA["epochs"], args.epochs))
+              ("--batch-size", SCHEMA["batch_size"], args.batch_size), ("--epochs", SCHEMA["epochs"], args.epochs),
+              ("--input-pool", _number(int, 1, low_open=False), args.input_pool))
     for flag, check, value in shared:
         try:
             check(value)
@@ -730,7 +734,11 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     if any(k > fewest for k in args.probe_labels):
         raise SystemExit(f"--probe-labels: at most {fewest} per class (the smallest class of the test split's "
                          f"labelled half), got {args.probe_labels}")
-    encoder = build_encoder(args.encoder, shape, args.embedding_dim, hidden=args.hidden, channels=args.channels)
+    try:
+        encoder = build_encoder(args.encoder, shape, args.embedding_dim, hidden=args.hidden, channels=args.channels,
+                                input_pool=args.input_pool)
+    except ValueError as err:
+        raise SystemExit(f"--encoder {args.encoder}: {err}") from None
     padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
     # Augmentations of the private pairs: secret (OS entropy) unless --noise-seed; the test pairs are public.
     views = {"padding": padding, "flip": args.flip, "blur": args.blur, "pixel_noise": args.pixel_noise}

@@ -31,7 +31,7 @@ from clipless.contrastive.logit_dp import (
 )
 from clipless.contrastive.pairs import AugmentedPairs, GivenPairs, random_crop_flip
 from clipless.contrastive.evaluation import knn_accuracy, linear_probe_accuracy
-from clipless.contrastive.pretrain import ContrastivePretrainer
+from clipless.contrastive.pretrain import ContrastivePretrainer, build_encoder
 
 
 def _mlp(seed: int, dims=(12, 9, 6, 4), act=nn.Tanh, scale: float = 1.0, dtype=torch.float64) -> nn.Module:
@@ -101,9 +101,10 @@ def _conv_encoders():
     yield nn.Sequential(nn.Conv2d(1, 3, 3, stride=2, dilation=2, padding=2, bias=False), nn.ELU(), nn.Flatten(),
                         nn.Linear(27, 4))
     yield nn.Sequential(nn.Conv2d(1, 2, 3, padding="same"), nn.ReLU(), nn.Flatten(), nn.Linear(72, 4))
+    yield build_encoder("cnn", (1, 6, 6), 4, hidden=(5,), channels=(2, 3), input_pool=2)  # a fixed pooling first
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_gram_pair_norms_conv_encoders_equal_autograd(index: int, monkeypatch) -> None:
     """Convolutional layers take a per-example Jacobian block beside the Linear layers' factors (by unfold for
     plain Conv2d layers, by torch.func for the others); all paths equal brute-force pair gradients, including
@@ -594,6 +595,8 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
                          (["--hidden", "0"], "--hidden: each width must be > 0"),
                          (["--encoder", "cnn", "--channels", "8", "0"], "--channels: each width must be > 0"),
                          (["--embedding-dim", "0"], "--embedding-dim: must be > 0"),
+                         (["--input-pool", "0"], "--input-pool: must be >= 1"),
+                         (["--input-pool", "9"], "--encoder mlp: input_pool 9 needs image inputs"),  # digits: 8 x 8
                          (["--probe-labels", "10", "1000"], r"--probe-labels: at most \d+ per class")):
         with pytest.raises(SystemExit, match=match):
             cli_main(["pretrain", *flags, "--output-dir", str(tmp_path / "bad")])
@@ -618,6 +621,16 @@ def test_cli_pretrain_cnn_encoder_takes_the_factored_path(tmp_path, capsys, monk
                      "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(out),
                      "--blur", "1.0", "--pixel-noise", "0.1"]) == 0
     assert "kNN(3) accuracy" in capsys.readouterr().out
+    pooled = tmp_path / "pooled"  # --input-pool 2: the encoder averages 2 x 2 windows first, on the same path
+    assert cli_main(["pretrain", "--encoder", "cnn", "--channels", "4", "--epochs", "1", "--batch-size", "128",
+                     "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(pooled),
+                     "--input-pool", "2"]) == 0
+    import json
+
+    assert json.loads((pooled / "result.json").read_text())["config"]["input_pool"] == 2
+    with pytest.raises(SystemExit, match="holds another encoder"):  # a resume must build the same encoder
+        cli_main(["pretrain", "--encoder", "cnn", "--channels", "4", "--epochs", "1", "--batch-size", "128",
+                  "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(pooled), "--resume"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -853,14 +866,25 @@ def test_sensitivity_holds_at_batch_1024(loss: str, tau: float) -> None:
 
 
 def test_build_encoder_kinds() -> None:
-    from clipless.contrastive.pretrain import build_encoder
-
     cnn = build_encoder("cnn", (1, 8, 8), 5, hidden=[7], channels=[3])
     assert any(isinstance(m, nn.Conv2d) for m in cnn.modules()) and cnn(torch.rand(2, 1, 8, 8)).shape == (2, 5)
     mlp = build_encoder("mlp", (1, 8, 8), 5, hidden=[7])
     assert not any(isinstance(m, nn.Conv2d) for m in mlp.modules()) and mlp(torch.rand(2, 1, 8, 8)).shape == (2, 5)
     with pytest.raises(ValueError, match="encoder must be one of"):
         build_encoder("resnet", (1, 8, 8), 5)
+    for kind in ("cnn", "mlp"):  # input_pool=2 averages 2 x 2 windows first: the same encoder on 4 x 4 images
+        pooled = build_encoder(kind, (1, 8, 8), 5, hidden=[7], channels=[3], input_pool=2)
+        assert isinstance(pooled[0], nn.AvgPool2d) and pooled(torch.rand(2, 1, 8, 8)).shape == (2, 5)
+        torch.manual_seed(0)
+        plain = build_encoder(kind, (1, 4, 4), 5, hidden=[7], channels=[3])
+        nn.Sequential(*pooled[1:]).load_state_dict(plain.state_dict())
+        x = torch.rand(3, 1, 8, 8)
+        torch.testing.assert_close(pooled(x), plain(nn.functional.avg_pool2d(x, 2)))
+    for bad in (0, 1.5, True, 9):
+        with pytest.raises(ValueError, match="input_pool"):
+            build_encoder("cnn", (1, 8, 8), 5, input_pool=bad)
+    with pytest.raises(ValueError, match="needs image inputs"):
+        build_encoder("mlp", (12,), 5, input_pool=2)
 
 
 def _views(seed: int, n: int, dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
