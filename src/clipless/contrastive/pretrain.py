@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from ..nn.functional import whole_number
 from ..privacy.accounting import PrivacyAccountant, check_accounted_steps, check_delta, check_nothing_released
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
@@ -55,8 +56,7 @@ def build_encoder(kind: str, input_shape, embedding_dim: int, hidden=(256,), cha
 
     if kind not in ENCODERS:
         raise ValueError(f"encoder must be one of {ENCODERS}, got {kind!r}")
-    if isinstance(input_pool, bool) or not isinstance(input_pool, int) or input_pool < 1:
-        raise ValueError(f"input_pool must be an integer >= 1, got {input_pool!r}")
+    input_pool = whole_number(input_pool, "input_pool")
     shape = tuple(input_shape)
     stem: List[nn.Module] = []
     if input_pool > 1:
