@@ -94,11 +94,12 @@ def main() -> None:
     # batch, epochs and crop default per dataset: 1024, 5 and 2 on MNIST; 256, 30 and 1 on digits
     sys.path.insert(0, str(Path(__file__).parent))
     from logit_dp import add_pretraining_options
-    from report import print_table, write_json
+    from report import print_table, use_allocator, write_json
 
     add_pretraining_options(p, batch_size=None, epochs=None, crop_padding=None)
     p.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp",
-                   help="cnn: about 34 s per Logit-DP step at batch 1024 on 2 cores (docs/results.md)")
+                   help="cnn: 17-31 s per Logit-DP step at batch 1024 on 2 cores, 7 s with --channels 8 16 "
+                   "--input-pool 2 (docs/results.md)")
     p.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")
     p.add_argument("--input-pool", type=int, default=1, metavar="K",
                    help="average K x K pixel windows before the encoder (after the crops): fewer conv positions")
@@ -108,9 +109,7 @@ def main() -> None:
     p.add_argument("--out", default="results/logit_dp_probe.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from clipless.train import tune_cpu_allocator
-
-    tune_cpu_allocator()  # as `clipless pretrain` does
+    use_allocator("tuned")  # as `clipless pretrain` runs
     mnist = args.dataset == "mnist"
     args.batch_size = args.batch_size or (1024.0 if mnist else 256.0)
     args.epochs = args.epochs or (5 if mnist else 30)
