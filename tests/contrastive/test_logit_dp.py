@@ -197,6 +197,24 @@ def test_a_streamed_conv_jacobian_gives_the_terms_of_the_whole_block(chunk: int)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("pool", [nn.AvgPool2d(2), nn.AvgPool2d((2, 3)), nn.AvgPool2d(3, stride=2),
+                                  nn.AvgPool2d(2, padding=1), nn.AvgPool2d(2, ceil_mode=True),
+                                  nn.AvgPool2d(2, divisor_override=3)])
+def test_batched_pooling_vjp_equals_autograd(pool: nn.Module) -> None:
+    """The conv Jacobian carries chunk x d cotangents back through average pooling with one pooling backward for
+    all of them: it equals autograd's vector-Jacobian products of the repeated input, bit for bit, for disjoint,
+    overlapping, padded, ceil-mode and custom-divisor windows, on inputs that the windows tile or not."""
+    from clipless.contrastive import logit_dp as ld
+
+    gen = torch.Generator().manual_seed(0)
+    for height, width in ((12, 12), (7, 9)):
+        h = torch.randn(3, 2, height, width, generator=gen)
+        g = torch.randn(3 * 4, *pool(h).shape[1:], generator=gen)  # 4 cotangents per example
+        leaf = h.repeat_interleave(4, dim=0).requires_grad_()
+        expected = torch.autograd.grad(pool(leaf), leaf, g)[0]
+        assert torch.equal(ld._batched_vjp(pool, h, g), expected)
+
+
 def test_unknown_layers_refuse_the_factored_path() -> None:
     class Scale(nn.Module):  # a per-example layer the factored path does not know
         def __init__(self) -> None:
