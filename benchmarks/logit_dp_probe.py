@@ -58,7 +58,9 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
         result = trainer.fit()
         out.update(epsilon=result.epsilon, noise_multiplier=result.noise_multiplier)
     out["train_s"] = time.perf_counter() - start
-    out.update(evaluate_encoder(encoder, data.test, per_class=(10, 100)))
+    out.update(evaluate_encoder(encoder, data.test, per_class=(10, 100), layer=args.layers[0]))
+    for layer in args.layers[1:]:  # the first is the headline: its metrics sit at the top of the record
+        out[layer] = evaluate_encoder(encoder, data.test, per_class=(10, 100), layer=layer)
     return out
 
 
@@ -105,6 +107,9 @@ def main() -> None:
                    help="average K x K pixel windows before the encoder (after the crops): fewer conv positions")
     p.add_argument("--validation", type=int, default=0, metavar="N",
                    help="hold out the last N training images for evaluation instead of the test split")
+    p.add_argument("--layers", nargs="+", default=["embedding"], choices=["embedding", "representation"],
+                   help="what the probes and kNN read: the normalized embedding and/or the representation before "
+                   "the last Linear (SimCLR's h); the first is the table's, the others go to the JSON and log")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/logit_dp_probe.json")
     args = p.parse_args()
@@ -134,6 +139,8 @@ def main() -> None:
             r = runs[-1]
             print(f"{method} seed {seed}: " + ", ".join(f"{m} {r[m]:.4f}" for m in METRICS)
                   + f" ({r['train_s']:.0f} s)", flush=True)
+            for layer in args.layers[1:]:
+                print(f"  {layer}: " + ", ".join(f"{m} {r[layer][m]:.4f}" for m in METRICS), flush=True)
     summary = {}
     for method in args.methods:
         mine = [r for r in runs if r["method"] == method]

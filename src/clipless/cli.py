@@ -318,6 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--probe-labels", type=int, nargs="*", default=[], metavar="K",
                      help="also report linear probes trained on K labels per class of the test split's labelled "
                      "half, e.g. --probe-labels 10 100 (benchmarks/logit_dp_probe.py)")
+    pre.add_argument("--evaluate-layer", choices=["embedding", "representation"], default="embedding",
+                     help="what kNN and the probes read: the normalized embedding the loss sees, or the "
+                     "representation before the encoder's last Linear (SimCLR's h under its projection)")
     pre.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
     pre.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     pre.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP + " (augmentations of the pairs too)")
@@ -695,6 +698,11 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
     return _write_result(out_dir, result)
 
 
+def _has_representation(encoder: torch.nn.Module) -> bool:
+    """Whether some layer with parameters comes before the encoder's last Linear (else ``h`` is the input)."""
+    return any(p.numel() for m in list(encoder)[:-1] for p in m.parameters())
+
+
 def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     """``clipless pretrain``: pairs from random crops and flips of the training images."""
     from .contrastive.evaluation import evaluate_encoder
@@ -739,6 +747,9 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
                                 input_pool=args.input_pool)
     except ValueError as err:
         raise SystemExit(f"--encoder {args.encoder}: {err}") from None
+    if args.evaluate_layer == "representation" and not _has_representation(encoder):
+        raise SystemExit(f"--evaluate-layer representation: the {args.encoder} encoder's layer before its last "
+                         "Linear is its input (give it --hidden widths)")
     padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
     # Augmentations of the private pairs: secret (OS entropy) unless --noise-seed; the test pairs are public.
     views = {"padding": padding, "flip": args.flip, "blur": args.blur, "pixel_noise": args.pixel_noise}
@@ -761,7 +772,8 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     prepare_output_dir(out_dir)
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
-                   **evaluate_encoder(encoder, data.test, per_class=tuple(args.probe_labels))})
+                   **evaluate_encoder(encoder, data.test, per_class=tuple(args.probe_labels),
+                                      layer=args.evaluate_layer)})
     from .train.checkpoint import write_atomically
 
     buffer = io.BytesIO()
@@ -933,7 +945,7 @@ def _run(args: argparse.Namespace) -> int:
                    f"epsilon {result['epsilon']:.3f} (delta {result['delta']:g}, {result['accountant']}), "
                    f"sigma {result['noise_multiplier']:.3f}, sensitivity {result['sensitivity']:.3g}")
         losses = [h["eval_loss"] for h in result["history"]]
-        print(f"{result['dataset']} [{result['method']} {result['loss']}]: kNN(3) accuracy "
+        print(f"{result['dataset']} [{result['method']} {result['loss']}]: {result['layer']} kNN(3) accuracy "
               f"{result['knn3_accuracy']:.4f}, linear probe {result['linear_probe_accuracy']:.4f}"
               + "".join(f", probe with {k} labels/class {result[f'probe_{k}_per_class']:.4f}"
                         for k in args.probe_labels) + ", held-out loss "

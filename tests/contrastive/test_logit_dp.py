@@ -482,6 +482,27 @@ def test_few_label_probe_draws_k_labels_per_class() -> None:
     assert set(result) >= {"knn3_accuracy", "linear_probe_accuracy", "probe_2_per_class"}
 
 
+def test_representation_layer_is_the_encoder_before_its_last_linear() -> None:
+    from clipless.contrastive.evaluation import evaluate_encoder, representation
+
+    data, _ = _digits_pairs()
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8))
+    assert representation(enc)[-1] is enc[2] and len(representation(enc)) == 3
+    got = evaluate_encoder(enc, data.test, per_class=(2,), layer="representation")
+    # the same numbers as the embedding evaluation of the cut encoder: h is read, not z
+    want = evaluate_encoder(enc[:-1], data.test, per_class=(2,))
+    assert got["layer"] == "representation" and want["layer"] == "embedding"
+    assert {k: got[k] for k in want if k != "layer"} == {k: want[k] for k in want if k != "layer"}
+    assert got != evaluate_encoder(enc, data.test, per_class=(2,))  # 48 ReLU features are not the 8-dim z
+    for bad in (nn.Linear(64, 8), nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU()),
+                nn.Sequential(nn.Linear(64, 8))):
+        with pytest.raises(ValueError, match="representation layer"):
+            evaluate_encoder(bad, data.test, layer="representation")
+    with pytest.raises(ValueError, match="layer must be one of"):
+        evaluate_encoder(enc, data.test, layer="hidden")
+
+
 def test_checkpoint_keeps_accountant(tmp_path) -> None:
     t = _trainer("logit_dp", epochs=2)
     t.epochs = 1
@@ -615,6 +636,9 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
                          (["--embedding-dim", "0"], "--embedding-dim: must be > 0"),
                          (["--input-pool", "0"], "--input-pool: must be >= 1"),
                          (["--input-pool", "9"], "--encoder mlp: input_pool 9 needs image inputs"),  # digits: 8 x 8
+                         (["--hidden", "--evaluate-layer", "representation"],
+                          "--evaluate-layer representation: the mlp encoder's layer before its last Linear is its "
+                          "input"),
                          (["--probe-labels", "10", "1000"], r"--probe-labels: at most \d+ per class")):
         with pytest.raises(SystemExit, match=match):
             cli_main(["pretrain", *flags, "--output-dir", str(tmp_path / "bad")])
@@ -642,10 +666,12 @@ def test_cli_pretrain_cnn_encoder_takes_the_factored_path(tmp_path, capsys, monk
     pooled = tmp_path / "pooled"  # --input-pool 2: the encoder averages 2 x 2 windows first, on the same path
     assert cli_main(["pretrain", "--encoder", "cnn", "--channels", "4", "--epochs", "1", "--batch-size", "128",
                      "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(pooled),
-                     "--input-pool", "2"]) == 0
+                     "--input-pool", "2", "--evaluate-layer", "representation"]) == 0
     import json
 
-    assert json.loads((pooled / "result.json").read_text())["config"]["input_pool"] == 2
+    result = json.loads((pooled / "result.json").read_text())
+    assert result["config"]["input_pool"] == 2 and result["layer"] == "representation"
+    assert "representation kNN(3) accuracy" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="holds another encoder"):  # a resume must build the same encoder
         cli_main(["pretrain", "--encoder", "cnn", "--channels", "4", "--epochs", "1", "--batch-size", "128",
                   "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(pooled), "--resume"])

@@ -12,13 +12,26 @@ from torch.utils.data import Dataset
 from ..train.evaluation import collect_outputs
 from .logit_dp import normalized_embedding
 
-__all__ = ["embed", "knn_accuracy", "linear_probe_accuracy", "few_label_probe_accuracy", "evaluate_encoder"]
+__all__ = ["LAYERS", "embed", "representation", "knn_accuracy", "linear_probe_accuracy", "few_label_probe_accuracy",
+           "evaluate_encoder"]
+
+# What is evaluated: the normalized embedding the contrastive loss sees, or the representation before the last
+# nn.Linear (SimCLR's h before its projection head z; Chen et al. 2020 probe h).
+LAYERS = ("embedding", "representation")
 
 
 @torch.no_grad()
 def embed(encoder: nn.Module, data: Dataset, batch_size: int = 2048) -> tuple:
     """Normalized embeddings and labels of a labelled dataset."""
     return collect_outputs(encoder, data, batch_size, forward=lambda x: normalized_embedding(encoder, x))
+
+
+def representation(encoder: nn.Module) -> nn.Module:
+    """The encoder without its last ``nn.Linear``: SimCLR's representation ``h`` under the projection ``z``."""
+    if not (isinstance(encoder, nn.Sequential) and len(encoder) > 1 and isinstance(encoder[-1], nn.Linear)):
+        raise ValueError("the representation layer needs an nn.Sequential encoder ending in nn.Linear (the "
+                         f"projection to the embedding), got {type(encoder).__name__}; evaluate the embedding")
+    return encoder[:-1]
 
 
 def knn_accuracy(encoder: nn.Module, reference: Dataset, test: Dataset, k: int = 3) -> float:
@@ -84,14 +97,21 @@ def few_label_probe_accuracy(encoder: nn.Module, reference: Dataset, queries: Da
     return sum(scores) / len(scores)
 
 
-def evaluate_encoder(encoder: nn.Module, test: Dataset, per_class: Tuple[int, ...] = ()) -> Dict[str, Any]:
+def evaluate_encoder(encoder: nn.Module, test: Dataset, per_class: Tuple[int, ...] = (),
+                     layer: str = "embedding") -> Dict[str, Any]:
     """kNN (k=3) and linear-probe accuracy measured on the public test split alone, and with ``per_class``
     the few-label probe accuracies ``probe_<k>_per_class`` (:func:`few_label_probe_accuracy`).
 
     Its even records are the kNN reference set and the probe's training set, its odd records the queries:
-    the pre-training records never enter a released number (spec §7).
+    the pre-training records never enter a released number (spec §7).  ``layer``: one of ``LAYERS``; the
+    representation is L2-normalized like the embedding (cosine kNN, probes on the unit sphere).
     """
     from torch.utils.data import Subset
+
+    if layer not in LAYERS:
+        raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
+    if layer == "representation":
+        encoder = representation(encoder)
 
     reference, queries = Subset(test, range(0, len(test), 2)), Subset(test, range(1, len(test), 2))  # type: ignore[arg-type]
     result: Dict[str, Any] = {"knn3_accuracy": knn_accuracy(encoder, reference, queries, k=3),
@@ -99,4 +119,5 @@ def evaluate_encoder(encoder: nn.Module, test: Dataset, per_class: Tuple[int, ..
     for k in per_class:
         result[f"probe_{k}_per_class"] = few_label_probe_accuracy(encoder, reference, queries, k)
     result["evaluation"] = "test split halves (even records: reference / probe training; odd records: queries)"
+    result["layer"] = layer
     return result
