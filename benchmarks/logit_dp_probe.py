@@ -141,23 +141,32 @@ def main() -> None:
                   + f" ({r['train_s']:.0f} s)", flush=True)
             for layer in args.layers[1:]:
                 print(f"  {layer}: " + ", ".join(f"{m} {r[layer][m]:.4f}" for m in METRICS), flush=True)
-    summary = {}
-    for method in args.methods:
-        mine = [r for r in runs if r["method"] == method]
-        summary[method] = {m: {"mean": statistics.mean(r[m] for r in mine),
-                               "sd": statistics.stdev(r[m] for r in mine) if len(mine) > 1 else 0.0,
-                               "values": [r[m] for r in mine]} for m in METRICS}
-        eps = [r["epsilon"] for r in mine if r["epsilon"] is not None]
-        summary[method]["epsilon"] = max(eps) if eps else None
-        summary[method]["train_s"] = statistics.mean(r["train_s"] for r in mine)
-    print_table(f"{'method':>11} {'epsilon':>8} " + " ".join(f"{m:>22}" for m in METRICS) + f" {'train s':>8}",
-                [f"{method:>11} {'-' if s['epsilon'] is None else format(s['epsilon'], '.3f'):>8} "
-                 + " ".join(f"{100 * s[m]['mean']:>14.1f} +- {100 * s[m]['sd']:4.1f}" for m in METRICS)
-                 + f" {s['train_s']:8.0f}" for method, s in summary.items()])
-    write_json(args.out, {"config": vars(args), "summary": summary, "runs": runs})
+
+    def summarize(metrics_of) -> dict:
+        summary = {}
+        for method in args.methods:
+            mine = [r for r in runs if r["method"] == method]
+            summary[method] = {m: {"mean": statistics.mean(metrics_of(r)[m] for r in mine),
+                                   "sd": statistics.stdev(metrics_of(r)[m] for r in mine) if len(mine) > 1 else 0.0,
+                                   "values": [metrics_of(r)[m] for r in mine]} for m in METRICS}
+            eps = [r["epsilon"] for r in mine if r["epsilon"] is not None]
+            summary[method]["epsilon"] = max(eps) if eps else None
+            summary[method]["train_s"] = statistics.mean(r["train_s"] for r in mine)
+        return summary
+
+    by_layer = {layer: summarize(lambda r, k=k, layer=layer: r if k == 0 else r[layer])
+                for k, layer in enumerate(args.layers)}
+    for layer, summary in by_layer.items():
+        print(f"{layer}:")
+        print_table(f"{'method':>11} {'epsilon':>8} " + " ".join(f"{m:>22}" for m in METRICS) + f" {'train s':>8}",
+                    [f"{method:>11} {'-' if s['epsilon'] is None else format(s['epsilon'], '.3f'):>8} "
+                     + " ".join(f"{100 * s[m]['mean']:>14.1f} +- {100 * s[m]['sd']:4.1f}" for m in METRICS)
+                     + f" {s['train_s']:8.0f}" for method, s in summary.items()])
+    summary = by_layer[args.layers[0]]
+    write_json(args.out, {"config": vars(args), "summary": summary, "summary_by_layer": by_layer, "runs": runs})
     figure = Path(args.out).with_suffix(".png")
     plot(summary, figure, f"{args.dataset}, {args.encoder} encoder: contrastive pre-training at epsilon "
-                          f"{args.epsilon:g} ({len(args.seeds)} seeds)")
+                          f"{args.epsilon:g} ({len(args.seeds)} seeds, {args.layers[0]})")
     print(f"wrote {figure}")
 
 
