@@ -98,6 +98,8 @@ def main() -> None:
     from logit_dp import add_pretraining_options
     from report import print_table, use_allocator, write_json
 
+    from clipless.contrastive.evaluation import LAYERS
+
     add_pretraining_options(p, batch_size=None, epochs=None, crop_padding=None)
     p.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp",
                    help="cnn: 17-31 s per Logit-DP step at batch 1024 on 2 cores, 7 s with --channels 8 16 "
@@ -107,7 +109,7 @@ def main() -> None:
                    help="average K x K pixel windows before the encoder (after the crops): fewer conv positions")
     p.add_argument("--validation", type=int, default=0, metavar="N",
                    help="hold out the last N training images for evaluation instead of the test split")
-    p.add_argument("--layers", nargs="+", default=["embedding"], choices=["embedding", "representation"],
+    p.add_argument("--layers", nargs="+", default=["embedding"], choices=LAYERS,
                    help="what the probes and kNN read: the normalized embedding and/or the representation before "
                    "the last Linear (SimCLR's h); the first is the table's, the others go to the JSON and log")
     p.add_argument("--threads", type=int, default=2)

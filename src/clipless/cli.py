@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .contrastive.evaluation import LAYERS
 from .privacy.calibration import BudgetExhaustedError
 from .train.allocator import tune_cpu_allocator
 
@@ -318,7 +319,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--probe-labels", type=int, nargs="*", default=[], metavar="K",
                      help="also report linear probes trained on K labels per class of the test split's labelled "
                      "half, e.g. --probe-labels 10 100 (benchmarks/logit_dp_probe.py)")
-    pre.add_argument("--evaluate-layer", choices=["embedding", "representation"], default="embedding",
+    pre.add_argument("--evaluate-layer", choices=LAYERS, default="embedding",
                      help="what kNN and the probes read: the normalized embedding the loss sees, or the "
                      "representation before the encoder's last Linear (SimCLR's h under its projection)")
     pre.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
@@ -698,14 +699,9 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
     return _write_result(out_dir, result)
 
 
-def _has_representation(encoder: torch.nn.Module) -> bool:
-    """Whether some layer with parameters comes before the encoder's last Linear (else ``h`` is the input)."""
-    return any(p.numel() for m in list(encoder)[:-1] for p in m.parameters())
-
-
 def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     """``clipless pretrain``: pairs from random crops and flips of the training images."""
-    from .contrastive.evaluation import evaluate_encoder
+    from .contrastive.evaluation import evaluate_encoder, representation
     from .contrastive.pairs import AugmentedPairs
     from .contrastive.pretrain import ContrastivePretrainer, build_encoder
     from .data.datasets import load_dataset
@@ -747,9 +743,11 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
                                 input_pool=args.input_pool)
     except ValueError as err:
         raise SystemExit(f"--encoder {args.encoder}: {err}") from None
-    if args.evaluate_layer == "representation" and not _has_representation(encoder):
-        raise SystemExit(f"--evaluate-layer representation: the {args.encoder} encoder's layer before its last "
-                         "Linear is its input (give it --hidden widths)")
+    if args.evaluate_layer == "representation":
+        try:
+            representation(encoder)
+        except ValueError as err:
+            raise SystemExit(f"--evaluate-layer representation: {err}") from None
     padding = args.crop_padding if args.crop_padding is not None else (2 if args.dataset == "mnist" else 1)
     # Augmentations of the private pairs: secret (OS entropy) unless --noise-seed; the test pairs are public.
     views = {"padding": padding, "flip": args.flip, "blur": args.blur, "pixel_noise": args.pixel_noise}

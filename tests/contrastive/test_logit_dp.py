@@ -496,7 +496,7 @@ def test_representation_layer_is_the_encoder_before_its_last_linear() -> None:
     assert {k: got[k] for k in want if k != "layer"} == {k: want[k] for k in want if k != "layer"}
     assert got != evaluate_encoder(enc, data.test, per_class=(2,))  # 48 ReLU features are not the 8-dim z
     for bad in (nn.Linear(64, 8), nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU()),
-                nn.Sequential(nn.Linear(64, 8))):
+                nn.Sequential(nn.Linear(64, 8)), nn.Sequential(nn.Flatten(), nn.Linear(64, 8))):
         with pytest.raises(ValueError, match="representation layer"):
             evaluate_encoder(bad, data.test, layer="representation")
     with pytest.raises(ValueError, match="layer must be one of"):
@@ -637,8 +637,7 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
                          (["--input-pool", "0"], "--input-pool: must be >= 1"),
                          (["--input-pool", "9"], "--encoder mlp: input_pool 9 needs image inputs"),  # digits: 8 x 8
                          (["--hidden", "--evaluate-layer", "representation"],
-                          "--evaluate-layer representation: the mlp encoder's layer before its last Linear is its "
-                          "input"),
+                          "--evaluate-layer representation: the representation layer is the encoder's input here"),
                          (["--probe-labels", "10", "1000"], r"--probe-labels: at most \d+ per class")):
         with pytest.raises(SystemExit, match=match):
             cli_main(["pretrain", *flags, "--output-dir", str(tmp_path / "bad")])

@@ -31,7 +31,11 @@ def representation(encoder: nn.Module) -> nn.Module:
     if not (isinstance(encoder, nn.Sequential) and len(encoder) > 1 and isinstance(encoder[-1], nn.Linear)):
         raise ValueError("the representation layer needs an nn.Sequential encoder ending in nn.Linear (the "
                          f"projection to the embedding), got {type(encoder).__name__}; evaluate the embedding")
-    return encoder[:-1]
+    body = encoder[:-1]
+    if not any(p.numel() for p in body.parameters()):
+        raise ValueError("the representation layer is the encoder's input here (no trained layer before its last "
+                         "Linear); evaluate the embedding or give the encoder hidden layers")
+    return body
 
 
 def knn_accuracy(encoder: nn.Module, reference: Dataset, test: Dataset, k: int = 3) -> float:
@@ -112,7 +116,6 @@ def evaluate_encoder(encoder: nn.Module, test: Dataset, per_class: Tuple[int, ..
         raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
     if layer == "representation":
         encoder = representation(encoder)
-
     reference, queries = Subset(test, range(0, len(test), 2)), Subset(test, range(1, len(test), 2))  # type: ignore[arg-type]
     result: Dict[str, Any] = {"knn3_accuracy": knn_accuracy(encoder, reference, queries, k=3),
                               "linear_probe_accuracy": linear_probe_accuracy(encoder, reference, queries)}
