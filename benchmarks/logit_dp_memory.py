@@ -4,6 +4,7 @@
     python benchmarks/logit_dp_memory.py --encoder cnn --batch-sizes 64 256 1024 --out results/logit_dp_memory_cnn.json
     python benchmarks/logit_dp_memory.py --encoder cnn --batch-sizes 1024 --allocator system  # glibc's defaults
     python benchmarks/logit_dp_memory.py --encoder cnn --channels 8 16 --input-pool 2 --batch-sizes 512 1024
+    python benchmarks/logit_dp_memory.py --encoder cnn --batch-sizes 1024 --methods logit_dp logit_dp_cs naive_dp
 
 Each (method, n) runs in its own process; peak memory = peak RSS minus the RSS before the first step.
 The columns ``n^2 d^2`` and ``n^2 p`` give, in MB of float32, the size of all d x d Gram blocks and of
@@ -28,7 +29,8 @@ from pathlib import Path
 import torch
 from report import ALLOCATORS, rss_mb, use_allocator
 
-METHODS = ("logit_dp", "naive_dp", "nonprivate")
+# logit_dp_cs: Logit-DP with the convolutions' pair cross terms bounded by Cauchy-Schwarz (cross_term="cauchy_schwarz")
+METHODS = ("logit_dp", "logit_dp_cs", "naive_dp", "nonprivate")
 
 
 def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_kind: str, channels: list,
@@ -43,6 +45,8 @@ def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_ki
     xa, xb = torch.rand(n, 1, 28, 28), torch.rand(n, 1, 28, 28)
     step = {
         "logit_dp": lambda: logit_dp_gradient(encoder, xa, xb, "contrastive", 1.0, 1.0),
+        "logit_dp_cs": lambda: logit_dp_gradient(encoder, xa, xb, "contrastive", 1.0, 1.0,
+                                                 cross_term="cauchy_schwarz"),
         "naive_dp": lambda: naive_dp_gradient(encoder, xa, xb, "contrastive", 1.0, 1.0),
         "nonprivate": lambda: nonprivate_gradient(encoder, xa, xb, "contrastive", 1.0),
     }[method]
@@ -61,7 +65,8 @@ def worker(method: str, n: int, repeats: int, hidden: list, dim: int, encoder_ki
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=["logit_dp", "naive_dp", "nonprivate"], choices=METHODS,
+                        help="logit_dp_cs: Logit-DP with cross_term='cauchy_schwarz'")
     parser.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp")
     parser.add_argument("--hidden", type=int, nargs="*", default=[256])
     parser.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
             encoder, torch.optim.Adam(encoder.parameters(), lr=args.lr), pairs, method=method, loss="contrastive",
             tau=args.tau, clip_norm=args.clip_logit if method == "logit_dp" else args.clip_naive,
             batch_size=args.batch_size, epochs=args.epochs, delta=args.delta,
-            target_epsilon=None if method == "nonprivate" else args.epsilon, progress=False, log=None)
+            target_epsilon=None if method == "nonprivate" else args.epsilon, progress=False, log=None,
+            cross_term=args.cross_term)
         result = trainer.fit()
         out.update(epsilon=result.epsilon, noise_multiplier=result.noise_multiplier)
     out["train_s"] = time.perf_counter() - start
@@ -112,6 +113,8 @@ def main() -> None:
     p.add_argument("--layers", nargs="+", default=["embedding"], choices=LAYERS,
                    help="what the probes and kNN read: the normalized embedding and/or the representation before "
                    "the last Linear (SimCLR's h); the first is the table's, the others go to the JSON and log")
+    p.add_argument("--cross-term", choices=["exact", "cauchy_schwarz"], default="exact",
+                   help="Logit-DP's pair norms (clipless pretrain --cross-term)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/logit_dp_probe.json")
     args = p.parse_args()

@@ -161,6 +161,101 @@ def test_conv_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> Non
         assert bool((factor * true >= 0.99 * floor)[kept].all())
 
 
+def _pair_parts(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(n, n) norms of the two parts of g_ij by autograd: ||J_i^T v_j|| (v_j held fixed), ||J'_j^T u_i||."""
+    params = list(encoder.parameters())
+    n = xa.shape[0]
+    first, second = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in range(n):
+            u, v = normalized_embedding(encoder, xa[i : i + 1]), normalized_embedding(encoder, xb[j : j + 1])
+            for out, c in ((first, (u * v.detach()).sum()), (second, (u.detach() * v).sum())):
+                out[i, j] = torch.cat([g.flatten() for g in torch.autograd.grad(c, params)]).double().norm()
+    return first, second
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_cauchy_schwarz_pair_norms_bound_autograd(index: int) -> None:
+    """cross_term="cauchy_schwarz": every pair norm is at least the brute-force one (a sound clip) and at most the
+    norms of its two parts summed (the Cauchy-Schwarz bound itself, no looser); the positive pairs i = i, whose
+    parts nearly cancel, keep their exact norm."""
+    enc = list(_conv_encoders())[index].double()
+    gen = torch.Generator().manual_seed(index)
+    x = torch.rand(5, 1, 6, 6, generator=gen, dtype=torch.float64)
+    xb = random_crop_flip(x, 1, True, torch.Generator().manual_seed(1))
+    xb[0] = x[0]
+    exact = _norm_matrix(_pair_grads(enc, x, xb))
+    first, second = _pair_parts(enc, x, xb)
+    off = ~torch.eye(5, dtype=torch.bool)
+    for method in ("factored", "jacobian"):
+        bound = pair_gradient_norms(enc, x, xb, method=method, chunk=2, cross_term="cauchy_schwarz")
+        assert bool((bound**2 >= exact**2 - 1e-12).all())
+        assert bool((bound**2 <= (first + second) ** 2 * (1 + 1e-5) + 1e-12).all())  # + its rounding margin
+        torch.testing.assert_close(bound.diagonal() ** 2, exact.diagonal() ** 2, rtol=1e-9, atol=1e-12)
+        assert float((bound / exact)[off].max()) > 1.01  # the bound is a bound, not the exact path again
+
+
+def test_cauchy_schwarz_is_exact_without_a_jacobian_block() -> None:
+    """An encoder of nn.Linear layers only has no cross term to bound on the factored path."""
+    enc = _mlp(0, act=nn.ReLU, scale=2.0)
+    gen = torch.Generator().manual_seed(0)
+    xa, xb = torch.randn(5, 12, generator=gen, dtype=torch.float64), torch.randn(5, 12, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(pair_gradient_norms(enc, xa, xb, method="factored", cross_term="cauchy_schwarz"),
+                               pair_gradient_norms(enc, xa, xb, method="factored"), rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="cross_term"):
+        pair_gradient_norms(enc, xa, xb, cross_term="bound")
+    with pytest.raises(ValueError, match="cross_term"):
+        logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 1.0, cross_term="none")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cauchy_schwarz_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> None:
+    """The bounded cross term in float32 (conv block and Linear factors, chunked Jacobians): no clipped pair
+    gradient exceeds B, with the clip at the true norms and near-cancelling pairs, on and off the diagonal."""
+    torch.manual_seed(seed)
+    enc32 = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 6, 3, padding=1), nn.AvgPool2d(2),
+                          nn.Flatten(), nn.Linear(96, 16), nn.ReLU(), nn.Linear(16, 5))
+    with torch.no_grad():
+        for prm in enc32.parameters():
+            prm.mul_(2.0)
+    enc64 = copy.deepcopy(enc32).double()
+    gen = torch.Generator().manual_seed(seed)
+    xa, xb = torch.randn(6, 1, 8, 8, generator=gen), torch.randn(6, 1, 8, 8, generator=gen)
+    xb[0] = xa[0]
+    xb[1:3] = xa[1:3] + 3e-3 * torch.randn(2, 1, 8, 8, generator=gen)
+    xb[4] = xa[5]  # an off-diagonal pair of identical images: its two parts cancel exactly
+    true = pair_gradient_norms(enc64, xa.double(), xb.double(), method="jacobian")
+    kept = true > 1e-5
+    for clip in (0.5 * float(true[kept].min()), float(true[kept].min()), float(true.median()),
+                 float(true.max()) * (1 - 1e-7)):
+        factor = clip_factors(enc32, xa, xb, clip, cross_term="cauchy_schwarz")
+        assert bool((factor * true <= clip * (1 + 1e-9))[kept].all())
+
+
+def test_cauchy_schwarz_gradient_is_the_sum_of_pairs_clipped_by_the_bound() -> None:
+    """The released gradient with the bounded cross term is sum_ij a_ij min(1, B / bound_ij) g_ij / tau, and
+    its add/remove-one-pair sensitivity stays within Delta (adversarial k) on a convolutional encoder."""
+    enc = list(_conv_encoders())[1].double()
+    gen = torch.Generator().manual_seed(3)
+    n, tau, clip = 5, 0.5, 0.05
+    x = torch.rand(n, 1, 6, 6, generator=gen, dtype=torch.float64)
+    xb = random_crop_flip(x, 1, True, torch.Generator().manual_seed(2))
+    brute = _pair_grads(enc, x, xb)
+    bound = pair_gradient_norms(enc, x, xb, cross_term="cauchy_schwarz")
+    with torch.no_grad():
+        a = logit_gradient(similarity_logits(normalized_embedding(enc, x), normalized_embedding(enc, xb), tau),
+                           "contrastive")
+    expected = sum(a[i, j] * brute[i, j] * min(1.0, clip / float(bound[i, j])) for i in range(n) for j in range(n))
+    logit_dp_gradient(enc, x, xb, "contrastive", tau, clip, cross_term="cauchy_schwarz")
+    full = _grad_vector(enc)
+    torch.testing.assert_close(full, expected / tau, rtol=1e-7, atol=1e-12)
+    delta = logit_dp_sensitivity(clip, tau, "contrastive", batch_size=n)
+    for k in range(n):
+        keep = [i for i in range(n) if i != k]
+        logit_dp_gradient(enc, x[keep], xb[keep], "contrastive", tau, clip, cross_term="cauchy_schwarz")
+        assert float((full - _grad_vector(enc)).norm()) <= delta * (1 + 1e-9)
+
+
 def test_jacobian_tiles_cover_every_pair() -> None:
     """Tiles smaller than a row (one column of pairs at a time) and larger than the batch give the same terms."""
     from clipless.contrastive import logit_dp as ld
@@ -197,9 +292,9 @@ def test_a_streamed_conv_jacobian_gives_the_terms_of_the_whole_block(chunk: int)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("pool", [nn.AvgPool2d(2), nn.AvgPool2d((2, 3)), nn.AvgPool2d(3, stride=2),
+@pytest.mark.parametrize("pool", [nn.AvgPool2d(2), nn.AvgPool2d((2, 3)), nn.AvgPool2d(3), nn.AvgPool2d(3, stride=2),
                                   nn.AvgPool2d(2, padding=1), nn.AvgPool2d(2, ceil_mode=True),
-                                  nn.AvgPool2d(2, divisor_override=3)])
+                                  nn.AvgPool2d(2, count_include_pad=False), nn.AvgPool2d(2, divisor_override=3)])
 def test_batched_pooling_vjp_equals_autograd(pool: nn.Module) -> None:
     """The conv Jacobian carries chunk x d cotangents back through average pooling with one pooling backward for
     all of them: it equals autograd's vector-Jacobian products of the repeated input, bit for bit, for disjoint,
@@ -650,7 +745,10 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
 
 def test_cli_pretrain_cnn_encoder_takes_the_factored_path(tmp_path, capsys, monkeypatch) -> None:
     """`clipless pretrain --encoder cnn` clips with the factored pair norms (conv Jacobian blocks beside the
-    Linear factors), not the all-parameter Jacobian path."""
+    Linear factors), not the all-parameter Jacobian path; `--cross-term cauchy_schwarz` bounds the conv block's
+    cross term on every step and says so in result.json."""
+    import json
+
     from clipless.contrastive import logit_dp as ld
 
     def refuse(*args, **kwargs):
@@ -662,14 +760,17 @@ def test_cli_pretrain_cnn_encoder_takes_the_factored_path(tmp_path, capsys, monk
                      "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(out),
                      "--blur", "1.0", "--pixel-noise", "0.1"]) == 0
     assert "kNN(3) accuracy" in capsys.readouterr().out
+    assert json.loads((out / "result.json").read_text())["cross_term"] == "exact"
+    bounded = []  # --cross-term cauchy_schwarz: the conv block's cross term is bounded, every step
+    monkeypatch.setattr(ld, "_cauchy_schwarz_terms",
+                        lambda *a, _f=ld._cauchy_schwarz_terms: bounded.append(1) or _f(*a))
     pooled = tmp_path / "pooled"  # --input-pool 2: the encoder averages 2 x 2 windows first, on the same path
     assert cli_main(["pretrain", "--encoder", "cnn", "--channels", "4", "--epochs", "1", "--batch-size", "128",
                      "--hidden", "16", "--embedding-dim", "8", "--no-progress", "--output-dir", str(pooled),
-                     "--input-pool", "2", "--evaluate-layer", "representation"]) == 0
-    import json
-
+                     "--input-pool", "2", "--evaluate-layer", "representation", "--cross-term", "cauchy_schwarz"]) == 0
     result = json.loads((pooled / "result.json").read_text())
     assert result["config"]["input_pool"] == 2 and result["layer"] == "representation"
+    assert result["cross_term"] == "cauchy_schwarz" and len(bounded) == result["steps"] > 0
     assert "representation kNN(3) accuracy" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="holds another encoder"):  # a resume must build the same encoder
         cli_main(["pretrain", "--encoder", "cnn", "--channels", "4", "--epochs", "1", "--batch-size", "128",

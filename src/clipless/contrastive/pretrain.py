@@ -30,6 +30,7 @@ from ..train.checkpoint import (check_fits, check_records, fingerprint_key_for, 
                                 read_fingerprint_key, save_checkpoint)
 from .logit_dp import (
     LOSS_FUNCTIONS,
+    CROSS_TERMS,
     logit_dp_gradient,
     logit_dp_sensitivity,
     naive_dp_gradient,
@@ -93,6 +94,7 @@ class PretrainResult:
     privacy_note: str
     wall_time_s: float
     history: List[Dict[str, float]] = field(default_factory=list)
+    cross_term: Optional[str] = None  # how Logit-DP's pair norms were formed (exact, or a Cauchy-Schwarz bound)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -107,7 +109,9 @@ class ContrastivePretrainer:
     ``eval_pairs`` (held-out, no privacy cost) gives the loss logged after every epoch, computed on
     batches of the expected batch size so that it is comparable between methods.
     Noise and sampling come from OS entropy unless ``noise_seed`` fixes them (the result then says the
-    run is not private).  ``log_train_stats`` adds the fraction of clipped pair gradients of the training
+    run is not private).  ``cross_term="cauchy_schwarz"`` (Logit-DP) clips each pair by an upper bound on its
+    norm whose convolution part skips the exact cross term (faster, clips more; same sensitivity, see
+    :func:`~clipless.contrastive.logit_dp.pair_gradient_norms`).  ``log_train_stats`` adds the fraction of clipped pair gradients of the training
     batches (no noise: labelled ``nonprivate_clipped_fraction``).
     """
 
@@ -130,6 +134,7 @@ class ContrastivePretrainer:
         noise_seed: Optional[int] = None,
         eval_pairs: Optional[Dataset] = None,
         gram_method: str = "auto",
+        cross_term: str = "exact",
         progress: bool = True,
         log: Optional[Callable[[str], None]] = print,
         checkpoint_path: Optional[Union[str, Path]] = None,
@@ -148,7 +153,9 @@ class ContrastivePretrainer:
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
         self.log_train_stats = bool(log_train_stats)
-        self.gram_method, self.progress, self.log = gram_method, progress, log
+        if cross_term not in CROSS_TERMS:
+            raise ValueError(f"cross_term must be one of {CROSS_TERMS}, got {cross_term!r}")
+        self.gram_method, self.cross_term, self.progress, self.log = gram_method, cross_term, progress, log
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.sample_rate = self.batch_size / n
         self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
@@ -189,7 +196,8 @@ class ContrastivePretrainer:
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
         self.encoder.train()
         if self.method == "logit_dp":
-            stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method)
+            stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method,
+                                      cross_term=self.cross_term)
         elif self.method == "naive_dp":
             stats = naive_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm)
         else:
@@ -265,6 +273,7 @@ class ContrastivePretrainer:
             **(randomness_label(self.noise_seed) if self.accountant else
                {"private": False, "randomness": "n/a", "privacy_note": "non-private baseline: no guarantee"}),
             wall_time_s=self._wall, history=list(self.history),
+            cross_term=self.cross_term if self.method == "logit_dp" else None,
         )
 
     def _privacy_config(self) -> Dict[str, Any]:
