@@ -199,7 +199,7 @@ def test_cauchy_schwarz_is_exact_without_a_jacobian_block() -> None:
     """An encoder of nn.Linear layers only has no cross term to bound on the factored path."""
     enc = _mlp(0, act=nn.ReLU, scale=2.0)
     gen = torch.Generator().manual_seed(0)
-    xa, xb = torch.randn(5, 12, generator=gen, dtype=torch.float64), torch.randn(5, 12, generator=gen, dtype=torch.float64)
+    xa, xb = (torch.randn(5, 12, generator=gen, dtype=torch.float64) for _ in range(2))
     torch.testing.assert_close(pair_gradient_norms(enc, xa, xb, method="factored", cross_term="cauchy_schwarz"),
                                pair_gradient_norms(enc, xa, xb, method="factored"), rtol=1e-12, atol=1e-14)
     with pytest.raises(ValueError, match="cross_term"):

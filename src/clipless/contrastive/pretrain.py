@@ -111,8 +111,8 @@ class ContrastivePretrainer:
     Noise and sampling come from OS entropy unless ``noise_seed`` fixes them (the result then says the
     run is not private).  ``cross_term="cauchy_schwarz"`` (Logit-DP) clips each pair by an upper bound on its
     norm whose convolution part skips the exact cross term (faster, clips more; same sensitivity, see
-    :func:`~clipless.contrastive.logit_dp.pair_gradient_norms`).  ``log_train_stats`` adds the fraction of clipped pair gradients of the training
-    batches (no noise: labelled ``nonprivate_clipped_fraction``).
+    :func:`~clipless.contrastive.logit_dp.pair_gradient_norms`).  ``log_train_stats`` adds the fraction of
+    clipped pair gradients of the training batches (no noise: labelled ``nonprivate_clipped_fraction``).
     """
 
     def __init__(
