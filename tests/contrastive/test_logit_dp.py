@@ -129,15 +129,13 @@ def test_gram_pair_norms_conv_encoders_equal_autograd(index: int, monkeypatch) -
     assert _max_clipped_pair_norm(enc, x, xb, clip=float(expected.median())) <= float(expected.median()) * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_conv_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> None:
-    """The factored path in float32 (conv Jacobian block + Linear factors): with the rounding margin no clipped
-    pair gradient exceeds B, with the clip norm right at the true norms and near-cancelling pairs."""
-    from clipless.contrastive import logit_dp as ld
-
+def _float32_conv_case(seed: int, linear_head: bool) -> Tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float32 conv encoder (``linear_head``: Linear factors after the conv block; else the conv block alone),
+    views with identical and near-identical pairs on and off the diagonal, and the float64 true pair norms."""
     torch.manual_seed(seed)
-    enc32 = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 6, 3, padding=1),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten())  # no Linear layer: the conv margin alone
+    head = ([nn.AvgPool2d(2), nn.Flatten(), nn.Linear(96, 16), nn.ReLU(), nn.Linear(16, 5)] if linear_head
+            else [nn.AdaptiveAvgPool2d(1), nn.Flatten()])
+    enc32 = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 6, 3, padding=1), *head)
     with torch.no_grad():
         for prm in enc32.parameters():
             prm.mul_(2.0)
@@ -147,10 +145,21 @@ def test_conv_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> Non
     xb[0] = xa[0]
     # Near-identical views: ||g|| ~ 1e-4, below float32's rounding of A + 2C + B, which the margin must cover.
     xb[1:3] = xa[1:3] + 3e-3 * torch.randn(2, 1, 8, 8, generator=gen)
+    xb[4] = xa[5]  # an off-diagonal pair of identical images: its two parts cancel exactly
     true = pair_gradient_norms(enc64, xa.double(), xb.double(), method="jacobian")
-    assert float(true.min()) < 1e-6
+    assert float(true.min()) < 1e-6 and float(true[1, 1]) < 1e-3
+    return enc32, xa, xb, true
+
+
+@pytest.mark.parametrize("linear_head", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_conv_clipped_pair_gradients_never_exceed_b_in_float32(seed: int, linear_head: bool) -> None:
+    """The factored path in float32 (conv Jacobian block, alone or beside Linear factors): with the rounding margin
+    no clipped pair gradient exceeds B, with the clip norm right at the true norms and near-cancelling pairs."""
+    from clipless.contrastive import logit_dp as ld
+
+    enc32, xa, xb, true = _float32_conv_case(seed, linear_head)
     kept = true > 1e-5  # below: the float64 reference is itself rounding noise
-    assert float(true[1, 1]) < 1e-3
     slack = ld._gram_terms(enc32, xa, xb, "factored", 256, 64)[1].double()
     for clip in (0.5 * float(true[kept].min()), float(true[kept].min()), float(true.median()),
                  float(true.max()) * (1 - 1e-7)):
@@ -208,23 +217,13 @@ def test_cauchy_schwarz_is_exact_without_a_jacobian_block() -> None:
         logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 1.0, cross_term="none")
 
 
+@pytest.mark.parametrize("linear_head", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_cauchy_schwarz_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> None:
-    """The bounded cross term in float32 (conv block and Linear factors, chunked Jacobians): no clipped pair
-    gradient exceeds B, with the clip at the true norms and near-cancelling pairs, on and off the diagonal."""
-    torch.manual_seed(seed)
-    enc32 = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 6, 3, padding=1), nn.AvgPool2d(2),
-                          nn.Flatten(), nn.Linear(96, 16), nn.ReLU(), nn.Linear(16, 5))
-    with torch.no_grad():
-        for prm in enc32.parameters():
-            prm.mul_(2.0)
-    enc64 = copy.deepcopy(enc32).double()
-    gen = torch.Generator().manual_seed(seed)
-    xa, xb = torch.randn(6, 1, 8, 8, generator=gen), torch.randn(6, 1, 8, 8, generator=gen)
-    xb[0] = xa[0]
-    xb[1:3] = xa[1:3] + 3e-3 * torch.randn(2, 1, 8, 8, generator=gen)
-    xb[4] = xa[5]  # an off-diagonal pair of identical images: its two parts cancel exactly
-    true = pair_gradient_norms(enc64, xa.double(), xb.double(), method="jacobian")
+def test_cauchy_schwarz_clipped_pair_gradients_never_exceed_b_in_float32(seed: int, linear_head: bool) -> None:
+    """The bounded cross term in float32 (conv block alone or beside Linear factors, chunked Jacobians): no
+    clipped pair gradient exceeds B, with the clip at the true norms and near-cancelling pairs, on and off the
+    diagonal."""
+    enc32, xa, xb, true = _float32_conv_case(seed, linear_head)
     kept = true > 1e-5
     for clip in (0.5 * float(true[kept].min()), float(true[kept].min()), float(true.median()),
                  float(true.max()) * (1 - 1e-7)):
