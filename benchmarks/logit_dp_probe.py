@@ -100,6 +100,7 @@ def main() -> None:
     from report import print_table, use_allocator, write_json
 
     from clipless.contrastive.evaluation import LAYERS
+    from clipless.contrastive.logit_dp import CROSS_TERMS
 
     add_pretraining_options(p, batch_size=None, epochs=None, crop_padding=None)
     p.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp",
@@ -113,7 +114,7 @@ def main() -> None:
     p.add_argument("--layers", nargs="+", default=["embedding"], choices=LAYERS,
                    help="what the probes and kNN read: the normalized embedding and/or the representation before "
                    "the last Linear (SimCLR's h); the first is the table's, the others go to the JSON and log")
-    p.add_argument("--cross-term", choices=["exact", "cauchy_schwarz"], default="exact",
+    p.add_argument("--cross-term", choices=CROSS_TERMS, default="exact",
                    help="Logit-DP's pair norms (clipless pretrain --cross-term)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/logit_dp_probe.json")

@@ -215,6 +215,9 @@ def test_cauchy_schwarz_is_exact_without_a_jacobian_block() -> None:
         pair_gradient_norms(enc, xa, xb, cross_term="bound")
     with pytest.raises(ValueError, match="cross_term"):
         logit_dp_gradient(enc, xa, xb, "contrastive", 1.0, 1.0, cross_term="none")
+    with pytest.raises(ValueError, match="cross_term"):  # the trainer refuses it before it draws or calibrates
+        ContrastivePretrainer(enc, torch.optim.SGD(enc.parameters(), lr=0.1), GivenPairs(xa, xb), batch_size=2,
+                              epochs=1, delta=1e-5, noise_multiplier=1.0, cross_term="Cauchy-Schwarz")
 
 
 @pytest.mark.parametrize("linear_head", [False, True])

@@ -30,7 +30,7 @@ from ..train.checkpoint import (check_fits, check_records, fingerprint_key_for, 
                                 read_fingerprint_key, save_checkpoint)
 from .logit_dp import (
     LOSS_FUNCTIONS,
-    CROSS_TERMS,
+    _check_cross_term,
     logit_dp_gradient,
     logit_dp_sensitivity,
     naive_dp_gradient,
@@ -153,8 +153,7 @@ class ContrastivePretrainer:
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
         self.log_train_stats = bool(log_train_stats)
-        if cross_term not in CROSS_TERMS:
-            raise ValueError(f"cross_term must be one of {CROSS_TERMS}, got {cross_term!r}")
+        _check_cross_term(cross_term)  # before any calibration or sampling
         self.gram_method, self.cross_term, self.progress, self.log = gram_method, cross_term, progress, log
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.sample_rate = self.batch_size / n
