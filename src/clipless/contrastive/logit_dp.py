@@ -565,6 +565,12 @@ def _check_cross_term(cross_term: str) -> None:
         raise ValueError(f"cross_term must be one of {CROSS_TERMS}, got {cross_term!r}")
 
 
+def _block_chain(p: int, d: int) -> int:
+    """The longest chain of roundings in a Jacobian block's ``A``, ``B``, ``C`` (a length-``p`` Gram or
+    ``J^T v`` product, then a ``d x d`` quadratic form or a length-``p`` dot product)."""
+    return p + d * d + 2 * d + 4
+
+
 def _cauchy_schwarz_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor, v: torch.Tensor
                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """An upper bound on a Jacobian block's share of ``||g_ij||^2``: ``A_ij + B_ij + 2 sqrt(A_ij B_ij)`` with
@@ -598,7 +604,7 @@ def _cauchy_schwarz_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor,
     a = torch.einsum("iab,ja,jb->ij", gram_aa, v, v)
     b = torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
     trace_a, trace_b = torch.einsum("iaa->i", gram_aa), torch.einsum("jaa->j", gram_bb)
-    chain = p + d * d + 2 * d + 4
+    chain = _block_chain(p, d)
     g = 2.0 * _gamma(chain, a.dtype)
     upper_a = (a.double() + g * trace_a.double()[:, None]).clamp_min(0.0)
     upper_b = (b.double() + g * trace_b.double()[None, :]).clamp_min(0.0)
@@ -619,9 +625,9 @@ def _jacobian_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor, v: to
     the ``d x d`` cross Grams), in tiles of at most ``block_elements`` numbers ``y``.  A lazy ``jb`` is formed
     a chunk of examples at a time, so only ``ja`` is held whole.  Returns the part, the traces ``||J_i||_F^2``,
     ``||J'_j||_F^2`` (which bound every term's absolute sum, see :func:`_rounding_margin`) and the longest
-    chain of roundings.  ``cross_term="cauchy_schwarz"``: an upper bound instead (:func:`_cauchy_schwarz_terms`).
+    chain of roundings.  ``cross_term="cauchy_schwarz"``: an upper bound instead (:func:`_cauchy_schwarz_terms`;
+    the public entry points check ``cross_term`` in :func:`_check_pairs`).
     """
-    _check_cross_term(cross_term)
     if cross_term == "cauchy_schwarz":
         return _cauchy_schwarz_terms(ja, jb, u, v)
     if isinstance(ja, _LazyConvJacobian):
@@ -649,7 +655,7 @@ def _jacobian_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor, v: to
                 y = (u[rows] @ jb_cols).reshape(-1, cols.stop - cols.start, p)  # J'_j^T u_i
                 z = torch.bmm(ja[rows], y.transpose(1, 2))  # (rows, d, cols): J_i J'_j^T u_i
                 total[rows, cols] += 2.0 * torch.einsum("iaj,ja->ij", z, v[cols])
-    return total, torch.einsum("iaa->i", gram_aa), trace_b, p + d * d + 2 * d + 4
+    return total, torch.einsum("iaa->i", gram_aa), trace_b, _block_chain(p, d)
 
 
 def pair_gradient_norms(
