@@ -427,6 +427,29 @@ def test_contrastive_sensitivity_values() -> None:
         logit_dp_sensitivity(0.0, 1.0)
 
 
+@pytest.mark.parametrize("tau", [1.0, 0.5, 0.2, 0.05, 0.01, 0.004])
+def test_contrastive_sensitivity_at_small_temperatures(tau: float) -> None:
+    # The spec's formula, in exact rational arithmetic on e^{2/tau} rounded up: the float value never falls below
+    # it by more than rounding, for known n and for the sup over n; no overflow where n is known.
+    from fractions import Fraction
+
+    e = Fraction(math.exp(2.0 / tau)) if 2.0 / tau < 709 else None
+    for n in (1, 2, 3, 1024, 10**9):
+        value = logit_dp_sensitivity(1.0, tau, batch_size=n)
+        assert math.isfinite(value) and value <= logit_dp_sensitivity(1.0, tau) * (1 + 1e-12)
+        if e is not None:
+            exact = (2 + 2 * (n - 1) * e / (e + n - 1)) / Fraction(tau)
+            assert value >= float(exact) * (1 - 1e-12)
+    assert logit_dp_sensitivity(1.0, tau) == pytest.approx(2 / tau * (1 + math.exp(2 / tau)), rel=1e-12)
+
+
+@pytest.mark.parametrize("tau", [2.0 / 710, 1e-3, 1e-9])
+def test_contrastive_sensitivity_overflow_is_a_clear_error(tau: float) -> None:
+    with pytest.raises(ValueError, match="overflows at tau"):
+        logit_dp_sensitivity(1.0, tau)
+    assert math.isfinite(logit_dp_sensitivity(1.0, tau, batch_size=1024))  # known n: (n-1) q_n <= n - 1
+
+
 def test_naive_dp_sensitivity_two_c() -> None:
     gen = torch.Generator().manual_seed(0)
     enc = _mlp(3, dims=(6, 10, 5), act=nn.ReLU, scale=3.0)
