@@ -297,19 +297,29 @@ def test_a_streamed_conv_jacobian_gives_the_terms_of_the_whole_block(chunk: int)
 @pytest.mark.parametrize("pool", [nn.AvgPool2d(2), nn.AvgPool2d((2, 3)), nn.AvgPool2d(3), nn.AvgPool2d(3, stride=2),
                                   nn.AvgPool2d(2, padding=1), nn.AvgPool2d(2, ceil_mode=True),
                                   nn.AvgPool2d(2, count_include_pad=False), nn.AvgPool2d(2, divisor_override=3)])
-def test_batched_pooling_vjp_equals_autograd(pool: nn.Module) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_pooling_vjp_equals_autograd(pool: nn.Module, dtype: torch.dtype, monkeypatch) -> None:
     """The conv Jacobian carries chunk x d cotangents back through average pooling with one pooling backward for
     all of them: it equals autograd's vector-Jacobian products of the repeated input, bit for bit, for disjoint,
-    overlapping, padded, ceil-mode and custom-divisor windows, on inputs that the windows tile or not."""
+    overlapping, padded, ceil-mode and custom-divisor windows, on inputs that the windows tile or not; disjoint
+    windows by 0/1 matrix products, and by the pooling backward where matrix products may not be IEEE."""
     from clipless.contrastive import logit_dp as ld
 
+    tiled = []
+    original = ld._tiled_avg_pool_backward
+    monkeypatch.setattr(ld, "_tiled_avg_pool_backward", lambda *a: tiled.append(1) or original(*a))
     gen = torch.Generator().manual_seed(0)
-    for height, width in ((12, 12), (7, 9)):
-        h = torch.randn(3, 2, height, width, generator=gen)
-        g = torch.randn(3 * 4, *pool(h).shape[1:], generator=gen)  # 4 cotangents per example
-        leaf = h.repeat_interleave(4, dim=0).requires_grad_()
-        expected = torch.autograd.grad(pool(leaf), leaf, g)[0]
-        assert torch.equal(ld._batched_vjp(pool, h, g), expected)
+    for ieee in (True, False):
+        monkeypatch.setattr(ld, "_ieee_matmul", lambda device, ieee=ieee: ieee)
+        for height, width in ((12, 12), (7, 9)):
+            h = torch.randn(3, 2, height, width, generator=gen, dtype=dtype)
+            g = torch.randn(3 * 4, *pool(h).shape[1:], generator=gen, dtype=dtype)  # 4 cotangents per example
+            g[0, 0, 0, 0] = 1e-40 if dtype == torch.float32 else 1e-310  # a subnormal passes unchanged
+            leaf = h.repeat_interleave(4, dim=0).requires_grad_()
+            expected = torch.autograd.grad(pool(leaf), leaf, g)[0]
+            assert torch.equal(ld._batched_vjp(pool, h, g), expected)
+    disjoint = pool.kernel_size == (pool.stride or pool.kernel_size) and pool.padding == 0 and not pool.ceil_mode
+    assert len(tiled) == (2 if disjoint else 0)  # the tiled form where it applies, only with IEEE products
 
 
 def test_unknown_layers_refuse_the_factored_path() -> None:
