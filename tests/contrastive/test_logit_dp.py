@@ -439,8 +439,8 @@ def test_contrastive_sensitivity_values() -> None:
 
 @pytest.mark.parametrize("tau", [1.0, 0.5, 0.2, 0.05, 0.01, 0.004])
 def test_contrastive_sensitivity_at_small_temperatures(tau: float) -> None:
-    # The spec's formula, in exact rational arithmetic on e^{2/tau} rounded up: the float value never falls below
-    # it by more than rounding, for known n and for the sup over n; no overflow where n is known.
+    # The spec's formula in exact rational arithmetic on the float e^{2/tau}: the value never falls below it by
+    # more than rounding, for known n, nor exceeds the sup over n; no overflow where n is known.
     from fractions import Fraction
 
     e = Fraction(math.exp(2.0 / tau)) if 2.0 / tau < 709 else None
