@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.utils import _pair
 
-from ..privacy.certified import _ieee_matmul
+from ..privacy.certified import ieee_matmul
 from ..privacy.input_guard import (check_precision, global_hooks_registered, module_hooks, replaced_forward,
                                    saved_tensor_hooks_active)
 
@@ -404,7 +404,7 @@ def _batched_vjp(module: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor
         size = _pair(module.kernel_size)
         stride = _pair(module.stride if module.stride is not None else module.kernel_size)
         if (size == stride and _pair(module.padding) == (0, 0) and not module.ceil_mode
-                and g.dtype in (torch.float32, torch.float64) and _ieee_matmul(g.device)):
+                and g.dtype in (torch.float32, torch.float64) and ieee_matmul(g.device)):
             return _tiled_avg_pool_backward(g, shape, size, module.divisor_override)
         return torch.ops.aten.avg_pool2d_backward(g, h.new_zeros(()).expand(shape), size, stride,
                                                   _pair(module.padding), module.ceil_mode,

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 __all__ = ["CERT_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm", "bjorck_residual",
-           "certified_bjorck_step", "CertifiedValueCache"]
+           "certified_bjorck_step", "CertifiedValueCache", "ieee_matmul"]
 
 # Relative safety margin applied to norms computed in float64 from float32
 # weights: float64 SVD is backward-stable to ~1e-15 relative, so 1e-9 is a
@@ -68,7 +68,7 @@ def _gamma(k: int, unit_roundoff: float) -> float:
     return ku / (1.0 - ku)
 
 
-def _ieee_matmul(device: torch.device) -> bool:
+def ieee_matmul(device: torch.device) -> bool:
     """Whether float32 matrix products on ``device`` are IEEE float32 (no TF32 or bfloat16 internals)."""
     if torch.get_float32_matmul_precision() != "highest":
         return False
@@ -119,7 +119,7 @@ def certified_bjorck_step(matrix: torch.Tensor, residual: Optional[torch.Tensor]
         raise BoundError("weight matrix contains NaN or infinite values")
     t = residual.to(w.dtype) @ w
     result = torch.add(w, t, alpha=-0.5)
-    if w.dtype not in (torch.float32, torch.float64) or not _ieee_matmul(w.device):
+    if w.dtype not in (torch.float32, torch.float64) or not ieee_matmul(w.device):
         return result, certified_spectral_norm(result)
     u64 = torch.finfo(torch.float64).eps / 2
     u = torch.finfo(w.dtype).eps / 2
