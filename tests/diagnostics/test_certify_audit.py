@@ -140,6 +140,20 @@ def test_tightness_monitor_passes_a_sound_model_and_records_ratios():
     assert result.history[-1]["nonprivate_max_tightness"] == max(monitor.worst.values())
 
 
+def test_tightness_monitor_checks_an_empty_poisson_batch():
+    """A Poisson batch can be empty: the monitor has nothing to compare and must neither crash nor record a
+    ratio above 0 (it crashed on max() of no norms when such a batch fell on a check step)."""
+    model = cl.lipschitz_mlp((6,), 3, hidden=(8,))
+    loss = cl.TauCrossEntropy(2.0)
+    report = cl.BoundEngine(model, (6,), 1.0, loss.lipschitz).compute()
+    monitor = cl.diagnostics.TightnessMonitor(every=1, sample=4)
+    ratios = monitor.check(model, loss, torch.zeros(0, 6), torch.zeros(0, dtype=torch.long), report, step=0)
+    assert ratios and set(ratios.values()) == {0.0} and set(monitor.worst.values()) == {0.0}
+    x = torch.randn(5, 6)
+    ratios = monitor.check(model, loss, x / x.norm(dim=1, keepdim=True), torch.tensor([0, 1, 2, 0, 1]), report, 1)
+    assert all(0.0 < r <= 1.0 + 1e-4 for r in ratios.values())  # a non-empty batch still measures
+
+
 def test_tightness_monitor_stops_training_on_an_understated_bound():
     """A dense layer declaring a weight factor 10x too small: training stops before that step is released."""
 

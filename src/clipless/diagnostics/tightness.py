@@ -38,11 +38,13 @@ def per_example_gradient_norms(
 def tightness(
     model: nn.Module, loss: LipschitzLoss, x: torch.Tensor, y: torch.Tensor, report: BoundReport
 ) -> Dict[str, float]:
-    """Per layer, ``max_i ||grad_i|| / g_d`` over the sample; a value above 1 means a broken bound."""
+    """Per layer, ``max_i ||grad_i|| / g_d`` over the sample; a value above 1 means a broken bound.  An empty
+    sample (an empty Poisson batch) has no gradient to compare: its ratios are 0."""
     norms = per_example_gradient_norms(model, loss, x, y, report)
     out = {}
     for layer in report.layers:
-        out[layer.name] = float(norms[layer.name].max()) / layer.bound if layer.bound > 0 else 0.0
+        worst = float(norms[layer.name].max()) if norms[layer.name].numel() else 0.0
+        out[layer.name] = worst / layer.bound if layer.bound > 0 else 0.0
     return out
 
 
