@@ -134,12 +134,13 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
     _check_clip_norm(clip_norm, "B")
     if loss == "spreadout":
         return 6.0 * clip_norm
-    if batch_size is not None and int(batch_size) < 1:
-        raise ValueError("batch size must be >= 1")
     if batch_size is None:  # sup over n of (n-1) q_n
         column = math.exp(2.0 / tau) if 2.0 / tau < 709.0 else math.inf
     else:  # (n-1) q_n = (n-1) / (1 + (n-1) e^{-2/tau}), which cannot overflow
-        column = (int(batch_size) - 1) / (1.0 + (int(batch_size) - 1) * math.exp(-2.0 / tau))
+        n = int(batch_size)
+        if n < 1:
+            raise ValueError("batch size must be >= 1")
+        column = (n - 1) / (1.0 + (n - 1) * math.exp(-2.0 / tau))
     value = (clip_norm / tau) * (2.0 + 2.0 * column)
     if not math.isfinite(value):
         raise ValueError(f"the contrastive Logit-DP sensitivity 2 (B/tau)(1 + e^(2/tau)) overflows at tau = {tau:g} "
