@@ -19,6 +19,7 @@ from torch import nn
 
 import clipless as cl
 from clipless.privacy.certified import BoundError
+from clipless.privacy.modules import LayerBound
 from clipless.privacy.calibration import BudgetExhaustedError, plan_noise
 from clipless.train.checkpoint import load_checkpoint
 from clipless.cli import main as cli_main
@@ -538,6 +539,8 @@ def _straight_through(module, factor):
     lambda m: _straight_through(m[3], 2.0),  # an instance-level forward: same values, 2x gradient
     lambda m: _straight_through(m, 2.0),
     lambda m: m[3].compile(),
+    lambda m: setattr(m[2], "layer_bound", m[2].layer_bound),  # even the same bound, set on the instance
+    lambda m: setattr(m[3], "layer_bound", lambda x_bound, shape: LayerBound(0.5, 0.5 * x_bound)),
 ])
 def test_layers_changed_after_make_private_refused(edit):
     """The bounds are set up for the layers make_private saw. A 2x layer put in place of MaxMin or appended, or
@@ -546,6 +549,20 @@ def test_layers_changed_after_make_private_refused(edit):
     _, model, opt, _ = _engine_setup()
     edit(model)
     with pytest.raises(BoundError, match="changed after its bounds|its own"):
+        empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
+        opt.step()
+
+
+def test_mechanism_release_set_on_the_instance_refused():
+    """A per-step mechanism's release replaced on the instance (here by one that publishes the exact count)
+    is not the class's noisy count the accountant composes."""
+    clip = cl.AdaptiveLossGradientClip(1.0, count_noise_multiplier=2.0)
+    model = _model(clip=clip)
+    _, opt, _ = cl.PrivacyEngine("rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=_data(),
+        loss=cl.TauCrossEntropy(4.0), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0, external_batches=True)
+    clip.update_ = lambda *args, **kwargs: 0.0
+    with pytest.raises(BoundError, match="its own update_"):
         empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
         opt.step()
 

@@ -35,6 +35,10 @@ __all__ = ["LayerSensitivity", "BoundReport", "BoundEngine"]
 # Stateless torch layers whose constants are exact: l = 1 and ||f(x)|| <= ||x||.
 _PARAMETER_FREE_1LIP: Tuple[type, ...] = (nn.Flatten, nn.Unflatten, nn.Identity, nn.ReLU)
 
+# What a bounded layer declares or releases through its class: set on an instance (``layer.layer_bound = ...``), it
+# would replace the library's certified bound, or a mechanism's noisy release, by an unchecked one.
+_DECLARATIONS = ("layer_bound", "update_")
+
 
 @dataclass(frozen=True)
 class LayerSensitivity:
@@ -180,10 +184,13 @@ class BoundEngine:
                 raise BoundError(f"module '{name}' has hooks ({len(hooks)}) that may change its outputs or gradients; "
                                  "remove them before making the model private")
             replaced = replaced_forward(module)
+            if replaced is None and isinstance(module, BoundedModule):
+                replaced = next((k for k in _DECLARATIONS if k in vars(module)), None)
             if replaced:
                 raise BoundError(f"module '{name}' ({type(module).__name__}) has its own {replaced} (set on the "
-                                 "instance, e.g. module.forward = ... or module.compile()): the bounds describe its "
-                                 "class's forward; use a layer class that declares bounds for what it computes")
+                                 "instance, e.g. module.forward = ..., module.layer_bound = ... or module.compile()): the "
+                                 "bounds describe its class's forward and are its class's; use a layer class that "
+                                 "declares bounds for what it computes")
 
     def _check_same_layers(self) -> None:
         """The layers the bounds were set up for are still the model's, in the same places: a layer added,
