@@ -541,6 +541,13 @@ def _digits_pairs():
                                 seed=0)
 
 
+def test_eval_pairs_of_the_training_images_refused():
+    """The held-out loss is logged and saved without noise: pairs of the training images are refused."""
+    data, _ = _digits_pairs()
+    with pytest.raises(ValueError, match="eval_pairs holds the same records"):
+        _trainer("logit_dp", eval_pairs=AugmentedPairs(data.train.features, padding=1, flip=False))
+
+
 def _trainer(method: str, **kw) -> ContrastivePretrainer:
     data, pairs = _digits_pairs()
     torch.manual_seed(0)

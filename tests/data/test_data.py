@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import clipless as cl
-from clipless.data.datasets import clip_norm, normalize_to_sphere, read_idx, signed_log1p, signed_sqrt, write_idx
+from clipless.data.datasets import check_held_out, clip_norm, normalize_to_sphere, read_idx, signed_log1p, signed_sqrt, write_idx
 
 
 def test_digits_embedded():
@@ -169,3 +169,25 @@ def test_any_idx_image_dataset(tmp_path):
     write_idx(d / "other-train-images-idx3-ubyte.gz", rng.integers(0, 256, (3, 20, 24)))
     with pytest.raises(ValueError, match="several"):
         cl.load_dataset("idx", d)
+
+
+def test_held_out_data_that_shares_training_records_refused():
+    """A score on held-out data is released without noise: data that is, copies or overlaps the training records
+    (through Subset views of one dataset) is refused; disjoint splits and the real test split pass."""
+    from torch.utils.data import Subset, random_split
+
+    data = cl.load_digits()
+    fit, validation = random_split(data.train, [0.8, 0.2], generator=torch.Generator().manual_seed(0))
+    check_held_out(fit, validation)
+    check_held_out(data.train, data.test)
+    check_held_out(Subset(data.train, [0, 1]), Subset(Subset(data.train, [5, 6, 7]), [1]))
+    copy = cl.ArrayDataset(data.train.features.clone(), data.train.labels.clone())
+    for train, held_out, match in [
+        (data.train, data.train, "is the training data"),
+        (data.train, copy, "same records"),
+        (fit, Subset(data.train, [fit.indices[3], validation.indices[0]]), "shares 1 records"),
+        (Subset(data.train, [0, 1, 2]), Subset(Subset(data.train, [9, 2]), [1]), "shares 1 records"),
+        (data.train, validation, "shares 287 records"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_held_out(train, held_out)

@@ -17,6 +17,13 @@ def digits():
     return cl.load_digits()
 
 
+def test_dpsgd_refuses_the_training_data_as_test_data(digits):
+    model = standard_mlp(digits.input_shape, 10, hidden=(8,))
+    with pytest.raises(ValueError, match="test_data is the training data"):
+        train_dpsgd(model, digits.train, batch_size=256, epochs=1, delta=1e-5, max_grad_norm=1.0, target_epsilon=3.0,
+                    test_data=digits.train, progress=False)
+
+
 def test_dpsgd_meets_the_budget_and_learns(digits):
     torch.manual_seed(0)
     model = standard_mlp(digits.input_shape, 10, hidden=(64,))

@@ -27,6 +27,18 @@ def digits_trainer(epochs=4, seed=0, data_seed=0, **kw):
     return cl.PrivateTrainer(model, opt, cl.TauCrossEntropy(8.0), data.train, **args)
 
 
+def test_test_data_that_is_the_training_data_refused():
+    """Its per-epoch "test accuracy" would be computed from the training records without noise."""
+    data = cl.load_digits()
+    model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(8,))
+    with pytest.raises(ValueError, match="test_data is the training data"):
+        cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(8.0), data.train,
+                          input_shape=data.input_shape, input_bound=8.0, batch_size=256, epochs=1, delta=1e-5,
+                          target_epsilon=3.0, test_data=data.train, progress=False, log=None)
+    with pytest.raises(ValueError, match="test_data holds the same records"):
+        digits_trainer(test_data=cl.load_digits().train)  # a second load of the same split
+
+
 def test_digits_private_training_learns_within_budget():
     trainer = digits_trainer(epochs=15)
     result = trainer.fit()

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from ..data.datasets import check_held_out
 from ..nn.functional import whole_number
 from ..privacy.accounting import PrivacyAccountant, check_accounted_steps, check_delta, check_nothing_released
 from ..privacy.calibration import plan_noise, planned_steps
@@ -149,6 +150,7 @@ class ContrastivePretrainer:
             raise ValueError(f"loss must be one of {tuple(LOSS_FUNCTIONS)}, got {loss!r}")
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
+        check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed

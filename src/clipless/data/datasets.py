@@ -17,11 +17,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 __all__ = [
     "ArrayDataset",
     "tensors_fingerprint",
+    "check_held_out",
     "DataSplit",
     "load_digits",
     "load_mnist",
@@ -52,6 +53,40 @@ def tensors_fingerprint(*tensors: torch.Tensor) -> str:
         digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
+
+
+def _base_records(data: Dataset) -> Tuple[Dataset, Optional[set]]:
+    """The dataset under nested ``Subset`` views and the indices of it they select (``None``: all)."""
+    indices: Optional[List[int]] = None
+    while isinstance(data, Subset):
+        chosen = [int(i) for i in data.indices]
+        indices = chosen if indices is None else [chosen[i] for i in indices]
+        data = data.dataset
+    return data, None if indices is None else set(indices)
+
+
+def check_held_out(train: Dataset, held_out: Optional[Dataset], what: str = "test_data") -> None:
+    """Refuse held-out data that is the training data, or shares records with it through ``Subset`` views of one
+    dataset: a score on it would be computed from training records without noise and published as a test score.
+
+    Records equal in value but stored apart (a duplicate image in a real test split) are the held-out set's own.
+    """
+    if held_out is None:
+        return
+    if held_out is train:
+        raise ValueError(f"{what} is the training data: its score would be released without noise; pass a "
+                         "held-out split")
+    fingerprints = [getattr(d, "fingerprint", None) for d in (train, held_out)]
+    if (all(callable(f) for f in fingerprints) and len(train) == len(held_out)  # type: ignore[arg-type]
+            and fingerprints[0]() == fingerprints[1]()):  # type: ignore[misc]
+        raise ValueError(f"{what} holds the same records as the training data, in the same order: pass a held-out "
+                         "split")
+    (base_a, rows_a), (base_b, rows_b) = _base_records(train), _base_records(held_out)
+    if base_a is base_b:
+        shared = len(rows_a & rows_b) if rows_a is not None and rows_b is not None else len(rows_a or rows_b or ())
+        if shared or (rows_a is None and rows_b is None):
+            raise ValueError(f"{what} shares {shared or 'all its'} records with the training data (Subset views "
+                             "of one dataset): a score on them is not private; split the indices disjointly")
 
 
 class ArrayDataset(Dataset):

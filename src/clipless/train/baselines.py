@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from ..data.datasets import check_held_out
 from ..nn.models import build_optimizer
 from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
@@ -126,6 +127,7 @@ def train_dpsgd(
     ``noise_seed`` fixes them (then the result says the run is not private).  Sigma comes from the same
     noise plan as clipless (:func:`~clipless.privacy.calibration.plan_noise`, one Gaussian mechanism).
     """
+    check_held_out(train_data, test_data)
     try:
         from ..extras import require
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..data.augment import ImageAugmentation
+from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
 from ..privacy.modules import LipschitzLoss, project_all_
@@ -113,6 +114,7 @@ class PrivateTrainer:
             raise ValueError("give epochs or target_epsilon: training would never stop")
         n = dataset_size(train_data)
         check_delta(delta, n)
+        check_held_out(train_data, test_data)
         batch_size = expected_batch_size(batch_size, n)
         self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
         self.delta, self.target_epsilon, self.strategy = delta, target_epsilon, strategy
