@@ -63,6 +63,24 @@ def test_pld_is_tighter_than_rdp_but_close():
     assert pld_eps <= rdp_eps and pld_eps > 0.7 * rdp_eps
 
 
+@pytest.mark.parametrize("history", [
+    [(6.355, 0.7126, 40)],
+    [(0.9, 1.0, 30), (2.0, 0.05, 120)],
+    [(1.1, 0.01, 5), (1.1, 0.02, 5), (1.1, 0.01, 7)],  # a (sigma, q) seen twice: its cached step PLD reused
+])
+def test_pld_epsilon_equals_dp_accountings_pld_accountant_exactly(history):
+    """Each step's PLD is built once per (sigma, q) and reused; the epsilon must stay the PLDAccountant's, bit
+    for bit, at every query (the per-epoch queries of a run grow the history one step at a time)."""
+    acc = cl.PrivacyAccountant("pld")
+    for sigma, q, steps in history:
+        for _ in range(2):
+            acc.step(sigma, q, steps)
+            reference = dp_accounting.pld.PLDAccountant()
+            reference.compose(acc.dp_event())
+            for delta in (1e-5, 1e-8):
+                assert acc.get_epsilon(delta) == reference.get_epsilon(delta)
+
+
 def test_effective_sigma_rule_matches_nested_composition():
     sigmas = [1.5, 2.0, 3.0, 4.0]
     eff = cl.effective_noise_multiplier(sigmas)

@@ -8,6 +8,7 @@ Gaussian mechanism with ``sigma_eff = (sum_d sigma_d^-2)^-1/2``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence
@@ -68,6 +69,20 @@ def _new_accountant(kind: str) -> dp_accounting.PrivacyAccountant:
     if kind == "rdp":
         return rdp.RdpAccountant()
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
+
+
+# dp-accounting's PLDAccountant defaults, which the cached composition below reproduces operation for operation.
+_PLD_GRID = 1e-4
+_ADD_OR_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+@functools.lru_cache(maxsize=32)
+def _step_pld(noise_multiplier: float, sample_rate: float) -> Any:
+    """One Poisson-subsampled Gaussian step's PLD, as dp-accounting's PLDAccountant builds it.  Building it is
+    most of an epsilon query's time (about 0.15 s), so it is built once per ``(sigma, q)``, not at every query."""
+    return pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, value_discretization_interval=_PLD_GRID, sampling_prob=sample_rate,
+        neighboring_relation=_ADD_OR_REMOVE)
 
 
 # dp_accounting's PLD grid of privacy-loss values grows like 1/sigma^2 (measured here: 19 s and 0.85 GB at sigma 0.1,
@@ -181,6 +196,11 @@ class PrivacyAccountant:
         _check_delta_resolvable(self.mechanism, delta)
         if not self._history:
             return 0.0
+        if self.mechanism == "pld":  # PLDAccountant.compose(self.dp_event()), with each step's PLD cached
+            total = pld.privacy_loss_distribution.identity(value_discretization_interval=_PLD_GRID)
+            for e in self._history:
+                total = total.compose(_step_pld(e.noise_multiplier, e.sample_rate).self_compose(e.steps))
+            return float(total.get_epsilon_for_delta(delta))
         accountant = _new_accountant(self.mechanism)
         absl = logging.getLogger("absl")
         absl.addFilter(_quiet_excluded_orders)

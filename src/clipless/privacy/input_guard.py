@@ -160,9 +160,14 @@ def check_precision(module: nn.Module, x: torch.Tensor) -> None:
 _CERTIFIED_DTYPES = (torch.float32, torch.float64)
 
 
-@torch.compiler.disable
 def _refuse_compile() -> None:
-    """Raised eagerly (a compiled frame cannot raise it itself): the guards watch eager operations."""
+    """Raised eagerly, outside the compiled frame (which cannot raise it itself): the guards watch eager operations.
+    ``torch.compiler.disable`` is applied here, where dynamo is running, not at import: it would import dynamo
+    (2 s) into every run."""
+    torch.compiler.disable(_compile_refusal)()
+
+
+def _compile_refusal() -> None:
     raise BoundError("the private model runs under torch.compile: the step guard and the input checks watch eager "
                      "operations, so a compiled forward is not supported; train the private model eagerly (compile "
                      "the trained model for inference, e.g. after clipless.export)")
