@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import clipless as cl
-from clipless.privacy.bounds import BoundEngine
+from clipless.privacy.bounds import BoundEngine, torch_layer_bound
 from clipless.privacy.modules import LayerBound
 
 from helpers import (
@@ -140,6 +140,56 @@ def test_bjorck_projection_is_orthonormal(seed):
     assert torch.allclose(s, torch.ones_like(s), atol=1e-5)
 
 
+# Elementwise torch activations the bound engine knows, with settings at the edges of their constants.
+_ACTIVATIONS = (nn.Tanh(), nn.Sigmoid(), nn.Softsign(), nn.Tanhshrink(), nn.Hardtanh(), nn.Hardtanh(0.5, 3.0),
+                nn.Hardtanh(-4.0, -1.0), nn.ReLU6(), nn.LeakyReLU(0.1), nn.LeakyReLU(-2.5), nn.ELU(), nn.ELU(3.0),
+                nn.ELU(-0.5), nn.CELU(0.3), nn.GELU())
+
+
+@pytest.mark.parametrize("act", _ACTIVATIONS, ids=repr)
+def test_torch_activation_constants_hold_pointwise(act):
+    """``|f'| <= l`` (autograd, float32 and float64) and ``|f(x) - f(0)| <= m |x|`` on a dense grid through the
+    places where each constant is attained (0, the kinks, sqrt 2 for GELU), and ``l`` is attained there (not
+    overstated by more than 0.1%)."""
+    lb = torch_layer_bound(act, 1.0, (1,))  # one entry, |x| <= 1: out_bound = m + |f(0)|
+    special = torch.tensor([0.0, math.sqrt(2.0), -math.sqrt(2.0), 0.5, 3.0, -1.0, -4.0, 1e-30, -1e-30])
+    grid = torch.cat([torch.linspace(-60.0, 60.0, 200_001, dtype=torch.float64), special.double()])
+    for dtype in (torch.float64, torch.float32):
+        x = grid.to(dtype).requires_grad_(True)
+        (derivative,) = torch.autograd.grad(act(x).sum(), x)
+        assert derivative.abs().max() <= lb.lipschitz, f"{dtype}: |f'| {float(derivative.abs().max())}"
+    assert derivative.abs().max() >= lb.lipschitz * (1 - 1e-3)
+    with torch.no_grad():
+        offset = act(torch.zeros(1, dtype=torch.float64))
+        m = lb.out_bound - float(offset.abs())
+        assert ((act(grid) - offset).abs() <= m * grid.abs() + 1e-12).all()
+
+
+@pytest.mark.parametrize("act", [nn.CELU(-1.0), nn.GELU(approximate="tanh"), nn.Softplus(), nn.SiLU(),
+                                 nn.Hardtanh(-math.inf, 1.0)], ids=repr)
+def test_activations_without_a_certified_constant_refused(act):
+    with pytest.raises(cl.BoundError, match="declares no"):
+        BoundEngine(nn.Sequential(cl.LipschitzLinear(4, 4), act, cl.LipschitzLinear(4, CLASSES)), (4,), 1.0, 1.0)
+
+
+def test_an_activation_setting_changed_after_set_up_is_read_at_every_step():
+    """A LeakyReLU slope raised to 3 after the engine was built raises the bounds with it; a CELU turned to a
+    negative alpha (no finite constant) is refused."""
+    act = nn.LeakyReLU(0.1)
+    model = nn.Sequential(cl.LipschitzLinear(4, 4), act, cl.LipschitzLinear(4, CLASSES))
+    engine = BoundEngine(model, (4,), 1.0, 1.0)
+    before = engine.compute().layers[0].bound
+    act.negative_slope = 3.0
+    assert engine.compute().layers[0].bound == pytest.approx(3.0 * before)
+    check(model, (4,), radius=1.0, trained=False)
+    celu = nn.CELU(0.5)
+    engine = BoundEngine(nn.Sequential(cl.LipschitzLinear(4, 4), celu, cl.LipschitzLinear(4, CLASSES)), (4,), 1.0,
+                         1.0)
+    celu.alpha = -0.5
+    with pytest.raises(cl.BoundError, match="declares no"):
+        engine.compute()
+
+
 @pytest.mark.parametrize(
     "layer,shape",
     [
@@ -154,19 +204,22 @@ def test_bjorck_projection_is_orthonormal(seed):
         (cl.InputNormClip(0.7), (5,)),
         (nn.Flatten(), (2, 3, 3)),
         (nn.ReLU(), (7,)),
+        *((act, (7,)) for act in _ACTIVATIONS),
+        (nn.Sigmoid(), (2, 3, 3)),
     ],
 )
 def test_parameter_free_layers(layer, shape):
-    """Declared ``l = 1`` and ``out_bound`` against measurement; used inside a model, gradients stay bounded."""
-    lb: LayerBound = layer.layer_bound(2.0, shape) if isinstance(layer, cl.BoundedModule) else None
-    lip = lb.lipschitz if lb else 1.0
-    assert measured_lipschitz(layer, shape, radius=2.0) <= lip * (1 + TOL)
+    """Declared ``l`` and ``out_bound`` against measurement; used inside a model, gradients stay bounded."""
+    lb: LayerBound = (layer.layer_bound(2.0, shape) if isinstance(layer, cl.BoundedModule)
+                      else torch_layer_bound(layer, 2.0, shape))
+    # measured in float64: float32 finite differences of a sigmoid near 1/2 read its slope 2e-5 high
+    assert measured_lipschitz(lambda x: layer(x.double()), shape, radius=2.0) <= lb.lipschitz * (1 + TOL)
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):
         x = torch.randn((8,) + shape, generator=gen)
         x = 2.0 * x / torch.linalg.vector_norm(x.reshape(8, -1), dim=1).reshape((-1,) + (1,) * len(shape))
         out = torch.linalg.vector_norm(layer(x).reshape(8, -1), dim=1).max()
-        assert out <= (lb.out_bound if lb else 2.0) * (1 + TOL)
+        assert out <= lb.out_bound * (1 + TOL)
     width = math.prod(layer(torch.zeros((1,) + shape)).shape[1:])
     model = nn.Sequential(cl.LipschitzLinear(math.prod(shape), math.prod(shape)), nn.Unflatten(1, shape), layer, *head(width))
     model = nn.Sequential(nn.Flatten(), *model)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -30,10 +30,56 @@ from .certified import BoundError
 from .input_guard import global_hooks_registered, module_hooks, replaced_forward
 from .modules import BoundedModule, LayerBound, Residual
 
-__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine"]
+__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound"]
 
 # Stateless torch layers whose constants are exact: l = 1 and ||f(x)|| <= ||x||.
 _PARAMETER_FREE_1LIP: Tuple[type, ...] = (nn.Flatten, nn.Unflatten, nn.Identity, nn.ReLU)
+
+# sup of GELU' = Phi(x) + x phi(x), at x = sqrt(2) where GELU'' = phi(x)(2 - x^2) vanishes; the 1e-6 covers the
+# float64 evaluation here and the float32 rounding of the backward's own evaluation.
+_GELU_LIPSCHITZ = (0.5 * (1.0 + math.erf(1.0)) + math.sqrt(2.0) * math.exp(-1.0) / math.sqrt(2.0 * math.pi)) * (1 + 1e-6)
+
+
+def _activation_constants(module: nn.Module) -> Optional[Tuple[float, float, float]]:
+    """``(l, m, c)`` of an elementwise torch activation (exact type): ``|f'| <= l``, ``|f(x) - c| <= m |x|``,
+    ``c = f(0)``; ``None`` for any other layer, or settings without a finite constant."""
+    kind = type(module)
+    if kind in (nn.Tanh, nn.Softsign, nn.Tanhshrink):
+        return 1.0, 1.0, 0.0
+    if kind is nn.Sigmoid:  # sigma' = sigma (1 - sigma) <= 1/4
+        return 0.25, 0.25, 0.5
+    if kind in (nn.Hardtanh, nn.ReLU6):  # a clamp to [min_val, max_val]
+        lo, hi = float(module.min_val), float(module.max_val)  # type: ignore[arg-type]
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            return None
+        return 1.0, 1.0, min(max(0.0, lo), hi)
+    if kind is nn.LeakyReLU:
+        slope = abs(float(module.negative_slope))  # type: ignore[arg-type]
+        return (max(1.0, slope),) * 2 + (0.0,) if math.isfinite(slope) else None
+    if kind is nn.ELU:  # alpha e^x for x < 0, and |alpha (e^x - 1)| <= |alpha| |x|
+        alpha = abs(float(module.alpha))  # type: ignore[arg-type]
+        return (max(1.0, alpha),) * 2 + (0.0,) if math.isfinite(alpha) else None
+    if kind is nn.CELU:  # e^(x / alpha) <= 1 for x < 0 when alpha > 0; unbounded for alpha < 0
+        alpha = float(module.alpha)  # type: ignore[arg-type]
+        return (1.0, 1.0, 0.0) if alpha > 0 and math.isfinite(alpha) else None
+    if kind is nn.GELU and module.approximate == "none":  # x Phi(x): |f(x)| <= |x|
+        return _GELU_LIPSCHITZ, 1.0, 0.0
+    return None
+
+
+def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]) -> Optional[LayerBound]:
+    """The bound of a parameter-free torch layer the engine knows, or ``None``.
+
+    Shape layers and ReLU: ``l = 1``, ``||f(x)|| <= ||x||``.  An elementwise activation with ``|f'| <= l``,
+    ``|f(x) - f(0)| <= m |x|`` on ``P`` entries: ``l``, and ``||f(x)|| <= m ||x|| + |f(0)| sqrt(P)``.
+    """
+    if type(module) in _PARAMETER_FREE_1LIP:
+        return LayerBound(lipschitz=1.0, out_bound=x_bound)
+    constants = _activation_constants(module)
+    if constants is None:
+        return None
+    lip, slope, offset = constants
+    return LayerBound(lipschitz=lip, out_bound=slope * x_bound + abs(offset) * math.sqrt(math.prod(in_shape)))
 
 # What a bounded layer declares or releases through its class: set on an instance (``layer.layer_bound = ...``), it
 # would replace the library's certified bound, or a mechanism's noisy release, by an unchecked one.
@@ -156,7 +202,7 @@ class BoundEngine:
             _check_forward_matches_bounds(type(module), name)
             self._add_leaf(module, leaves)
             return
-        if type(module) in _PARAMETER_FREE_1LIP:
+        if type(module) in _PARAMETER_FREE_1LIP or _activation_constants(module) is not None:
             self._add_leaf(module, leaves)
             return
         raise BoundError(
@@ -255,10 +301,10 @@ class BoundEngine:
             return cached
         if isinstance(module, BoundedModule):
             lb = module.layer_bound(x_bound, self._in_shapes[id(module)])
-        elif type(module) in _PARAMETER_FREE_1LIP:
-            lb = LayerBound(lipschitz=1.0, out_bound=x_bound)
-        else:  # unreachable after _check_same_layers; kept so that no unknown layer is ever read as 1-Lipschitz
-            raise BoundError(f"layer {type(module).__name__} declares no bounds")
+        else:
+            lb = torch_layer_bound(module, x_bound, self._in_shapes[id(module)])
+            if lb is None:  # an activation's setting changed after construction; no unknown layer is read as 1-Lipschitz
+                raise BoundError(f"layer '{self._names[id(module)]}' ({module!r}) declares no bounds")
         for value in (lb.lipschitz, lb.out_bound, *lb.param_factors.values()):
             if not (value >= 0 and math.isfinite(value)):
                 raise BoundError(f"layer '{self._names[id(module)]}' declared an invalid bound {value}")
