@@ -209,6 +209,28 @@ def test_unwritable_output_dir_refused_before_training(tmp_path):
     _refused(["train", *FAST, "--output-dir", str(target)], "is not writable .*choose another --output-dir")
 
 
+def test_train_writes_a_training_curve_of_private_quantities_only(tmp_path, monkeypatch):
+    """training.png shows the held-out accuracy and epsilon per epoch; training statistics logged on request
+    (``--log-train-stats``, labelled non-private in result.json) stay out of the figure."""
+    import matplotlib.axes
+
+    plotted = []
+    plot = matplotlib.axes.Axes.plot
+
+    def recorded(self, x, y, *args, **kwargs):
+        plotted.append((kwargs.get("label"), list(y)))
+        return plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recorded)
+    result = _train(tmp_path / "run", "--log-train-stats")
+    png = (tmp_path / "run" / "training.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    history = result["history"]
+    assert "nonprivate_train_accuracy" in history[0]
+    assert plotted == [("test accuracy (held out)", [row["test_accuracy"] for row in history]),
+                       ("epsilon", [row["epsilon"] for row in history])]
+
+
 def test_interrupted_result_write_keeps_the_previous_result(tmp_path, monkeypatch):
     out = tmp_path / "run"
     _train(out, "--noise-seed", "1")
@@ -225,7 +247,8 @@ def test_interrupted_result_write_keeps_the_previous_result(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         main(["train", *FAST, "--output-dir", str(out), "--noise-seed", "2"])
     assert (out / "result.json").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json",
+                                                     "training.png"]
 
 
 def test_full_disk_during_checkpoint_write_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -240,7 +263,8 @@ def test_full_disk_during_checkpoint_write_is_one_line_and_leaves_no_temporary(t
     _refused(["train", *FAST, "--output-dir", str(out)], r"could not write .*checkpoint.pt: No space left on device; "
              "the previous file .* is intact")
     assert (out / "checkpoint.pt").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json",
+                                                     "training.png"]
 
 
 @pytest.mark.parametrize("damage, match", [

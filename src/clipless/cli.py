@@ -605,7 +605,10 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": config, "sampling": "poisson (add/remove neighbours)",
                    "processes": trainer.world_size})
-    return _write_result(out_dir, result) if trainer.rank == 0 else result
+    if trainer.rank != 0:
+        return result
+    _write_result(out_dir, result)
+    return _write_training_plot(out_dir, result, f"{data.name}: clipless, epsilon {result['epsilon']:.3g}")
 
 
 def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -> Dict[str, Any]:
@@ -653,6 +656,18 @@ def _write_result(out_dir: Path, result: Dict[str, Any], name: str = "result.jso
     from .train.checkpoint import write_atomically
 
     write_atomically(out_dir / name, json.dumps(result, indent=2, default=str).encode())
+    return result
+
+
+def _write_training_plot(out_dir: Path, result: Dict[str, Any], title: str) -> Dict[str, Any]:
+    """``training.png`` (held-out score and epsilon per epoch) beside result.json, when matplotlib is installed;
+    written after result.json, so a run stopped while writing that keeps its previous result and figure."""
+    try:
+        from .diagnostics.plots import plot_training
+
+        plot_training(result.get("history") or [], out_dir / "training.png", title)
+    except ImportError as err:  # matplotlib is an optional extra
+        print(f"no plot: {err}", file=sys.stderr)
     return result
 
 
@@ -783,7 +798,9 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     buffer = io.BytesIO()
     torch.save(encoder.state_dict(), buffer)
     write_atomically(out_dir / "encoder.pt", buffer.getvalue())
-    return _write_result(out_dir, result)
+    _write_result(out_dir, result)
+    eps = "no privacy" if result["epsilon"] is None else f"epsilon {result['epsilon']:.3g}"
+    return _write_training_plot(out_dir, result, f"{data.name}: {args.method} pre-training, {eps}")
 
 
 def run_audit(config: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:

@@ -763,6 +763,7 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
 
     result = json.loads((out / "result.json").read_text())
     assert result["epsilon"] <= 5.0 and result["method"] == "logit_dp" and (out / "encoder.pt").exists()
+    assert (out / "training.png").read_bytes().startswith(b"\x89PNG")  # held-out loss and epsilon per epoch
     assert 0.1 < result["probe_5_per_class"] <= 1.0
     with pytest.raises(SystemExit, match="--probe-labels"):
         cli_main(["pretrain", "--probe-labels", "0", "--output-dir", str(tmp_path / "bad")])

@@ -15,6 +15,7 @@ __all__ = [
     "plot_pareto",
     "plot_audit_scores",
     "plot_audit_tightness",
+    "plot_training",
 ]
 
 PathLike = Union[str, Path]
@@ -33,12 +34,45 @@ def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.4):
 
 
 def _save(plt, fig, path: PathLike) -> Path:
+    """Render to memory, then replace ``path`` at once: a crash never leaves a half-written figure."""
+    import io
+
+    from ..train.checkpoint import write_atomically  # not at import: train imports the diagnostics
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
+    write_atomically(path, buffer.getvalue())
     return path
+
+
+# What a training curve may show: held-out scores and the accountant's epsilon, never training statistics.
+_CURVES = {"test_accuracy": "test accuracy (held out)", "eval_loss": "held-out loss"}
+
+
+def plot_training(history: Sequence[Mapping[str, Any]], path: PathLike, title: str = "private training") -> Path:
+    """The held-out score (test accuracy, or a pre-training run's held-out loss) and epsilon after each epoch.
+    Statistics of the training batches (``nonprivate_*``) are left out even when they were logged."""
+    plt, fig, (ax,) = _figure(width=5.5)
+    epochs = [row["epoch"] for row in history]
+    for key, label in _CURVES.items():
+        if history and all(row.get(key) is not None for row in history):
+            ax.plot(epochs, [row[key] for row in history], marker="o", markersize=3, color="C0", label=label)
+            ax.set_ylabel(label, color="C0")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("epoch")
+    ax.set_title(title)
+    if history and all(row.get("epsilon") is not None for row in history):
+        right = ax.twinx()
+        right.plot(epochs, [row["epsilon"] for row in history], color="C1", linestyle="--", label="epsilon")
+        right.set_ylabel("epsilon spent", color="C1")
+        right.set_ylim(bottom=0)
+    return _save(plt, fig, path)
 
 
 def plot_norm_histograms(
