@@ -143,7 +143,7 @@ def test_bjorck_projection_is_orthonormal(seed):
 # Elementwise torch activations the bound engine knows, with settings at the edges of their constants.
 _ACTIVATIONS = (nn.Tanh(), nn.Sigmoid(), nn.Softsign(), nn.Tanhshrink(), nn.Hardtanh(), nn.Hardtanh(0.5, 3.0),
                 nn.Hardtanh(-4.0, -1.0), nn.ReLU6(), nn.LeakyReLU(0.1), nn.LeakyReLU(-2.5), nn.ELU(), nn.ELU(3.0),
-                nn.ELU(-0.5), nn.CELU(0.3), nn.GELU())
+                nn.ELU(-0.5), nn.CELU(0.3), nn.GELU(), nn.SiLU())
 
 
 @pytest.mark.parametrize("act", _ACTIVATIONS, ids=repr)
@@ -152,7 +152,8 @@ def test_torch_activation_constants_hold_pointwise(act):
     places where each constant is attained (0, the kinks, sqrt 2 for GELU), and ``l`` is attained there (not
     overstated by more than 0.1%)."""
     lb = torch_layer_bound(act, 1.0, (1,))  # one entry, |x| <= 1: out_bound = m + |f(0)|
-    special = torch.tensor([0.0, math.sqrt(2.0), -math.sqrt(2.0), 0.5, 3.0, -1.0, -4.0, 1e-30, -1e-30])
+    special = torch.tensor([0.0, math.sqrt(2.0), -math.sqrt(2.0), 0.5, 3.0, -1.0, -4.0, 1e-30, -1e-30,
+                            2.3993572805154675])  # SiLU' is largest there
     grid = torch.cat([torch.linspace(-60.0, 60.0, 200_001, dtype=torch.float64), special.double()])
     for dtype in (torch.float64, torch.float32):
         x = grid.to(dtype).requires_grad_(True)
@@ -165,7 +166,7 @@ def test_torch_activation_constants_hold_pointwise(act):
         assert ((act(grid) - offset).abs() <= m * grid.abs() + 1e-12).all()
 
 
-@pytest.mark.parametrize("act", [nn.CELU(-1.0), nn.GELU(approximate="tanh"), nn.Softplus(), nn.SiLU(),
+@pytest.mark.parametrize("act", [nn.CELU(-1.0), nn.GELU(approximate="tanh"), nn.Softplus(), nn.Mish(),
                                  nn.Hardtanh(-math.inf, 1.0)], ids=repr)
 def test_activations_without_a_certified_constant_refused(act):
     with pytest.raises(cl.BoundError, match="declares no"):

@@ -40,6 +40,21 @@ _PARAMETER_FREE_1LIP: Tuple[type, ...] = (nn.Flatten, nn.Unflatten, nn.Identity,
 _GELU_LIPSCHITZ = (0.5 * (1.0 + math.erf(1.0)) + math.sqrt(2.0) * math.exp(-1.0) / math.sqrt(2.0 * math.pi)) * (1 + 1e-6)
 
 
+
+def _silu_lipschitz() -> float:
+    """sup of SiLU' = s(x)(1 + x(1 - s(x))), s the sigmoid: SiLU'' = s(1 - s)(2 - x tanh(x/2)) vanishes only where
+    x tanh(x/2) = 2 (increasing in |x|), at x* = 2.3994 (the max; at -x* the min, -0.0998); x* by bisection."""
+    lo, hi = 2.0, 3.0  # 2 tanh(1) < 2 < 3 tanh(1.5)
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if mid * math.tanh(0.5 * mid) < 2.0 else (lo, mid)
+    sig = 1.0 / (1.0 + math.exp(-lo))
+    return sig * (1.0 + lo * (1.0 - sig)) * (1 + 1e-6)  # 1.09984: the 1e-6 as for GELU
+
+
+_SILU_LIPSCHITZ = _silu_lipschitz()
+
+
 def _activation_constants(module: nn.Module) -> Optional[Tuple[float, float, float]]:
     """``(l, m, c)`` of an elementwise torch activation (exact type): ``|f'| <= l``, ``|f(x) - c| <= m |x|``,
     ``c = f(0)``; ``None`` for any other layer, or settings without a finite constant."""
@@ -64,6 +79,8 @@ def _activation_constants(module: nn.Module) -> Optional[Tuple[float, float, flo
         return (1.0, 1.0, 0.0) if alpha > 0 and math.isfinite(alpha) else None
     if kind is nn.GELU and module.approximate == "none":  # x Phi(x): |f(x)| <= |x|
         return _GELU_LIPSCHITZ, 1.0, 0.0
+    if kind is nn.SiLU:  # x s(x): |f(x)| <= |x|
+        return _SILU_LIPSCHITZ, 1.0, 0.0
     return None
 
 
