@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import clipless as cl
-from clipless.data.datasets import check_held_out, clip_norm, normalize_to_sphere, read_idx, signed_log1p, signed_sqrt, write_idx
+from clipless.data.datasets import (check_held_out, clip_norm, normalize_to_sphere, read_idx, signed_log1p,
+                                     signed_sqrt, write_idx)
 
 
 def test_digits_embedded():

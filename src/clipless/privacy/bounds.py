@@ -35,10 +35,9 @@ __all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound"
 # Stateless torch layers whose constants are exact: l = 1 and ||f(x)|| <= ||x||.
 _PARAMETER_FREE_1LIP: Tuple[type, ...] = (nn.Flatten, nn.Unflatten, nn.Identity, nn.ReLU)
 
-# sup of GELU' = Phi(x) + x phi(x), at x = sqrt(2) where GELU'' = phi(x)(2 - x^2) vanishes; the 1e-6 covers the
-# float64 evaluation here and the float32 rounding of the backward's own evaluation.
-_GELU_LIPSCHITZ = (0.5 * (1.0 + math.erf(1.0)) + math.sqrt(2.0) * math.exp(-1.0) / math.sqrt(2.0 * math.pi)) * (1 + 1e-6)
-
+# sup of GELU' = Phi(x) + x phi(x), at x = sqrt(2) where GELU'' = phi(x)(2 - x^2) vanishes (sqrt(2) phi(sqrt 2) =
+# e^-1 / sqrt(pi)); the 1e-6 covers the float64 evaluation here and the float32 rounding of the backward's own.
+_GELU_LIPSCHITZ = (0.5 * (1.0 + math.erf(1.0)) + math.exp(-1.0) / math.sqrt(math.pi)) * (1 + 1e-6)
 
 
 def _silu_lipschitz() -> float:
@@ -97,6 +96,7 @@ def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]
         return None
     lip, slope, offset = constants
     return LayerBound(lipschitz=lip, out_bound=slope * x_bound + abs(offset) * math.sqrt(math.prod(in_shape)))
+
 
 # What a bounded layer declares or releases through its class: set on an instance (``layer.layer_bound = ...``), it
 # would replace the library's certified bound, or a mechanism's noisy release, by an unchecked one.
@@ -251,9 +251,9 @@ class BoundEngine:
                 replaced = next((k for k in _DECLARATIONS if k in vars(module)), None)
             if replaced:
                 raise BoundError(f"module '{name}' ({type(module).__name__}) has its own {replaced} (set on the "
-                                 "instance, e.g. module.forward = ..., module.layer_bound = ... or module.compile()): the "
-                                 "bounds describe its class's forward and are its class's; use a layer class that "
-                                 "declares bounds for what it computes")
+                                 "instance, e.g. module.forward = ..., module.layer_bound = ... or module.compile()): "
+                                 "the bounds describe its class's forward and are its class's; use a layer class "
+                                 "that declares bounds for what it computes")
 
     def _check_same_layers(self) -> None:
         """The layers the bounds were set up for are still the model's, in the same places: a layer added,
@@ -320,7 +320,7 @@ class BoundEngine:
             lb = module.layer_bound(x_bound, self._in_shapes[id(module)])
         else:
             lb = torch_layer_bound(module, x_bound, self._in_shapes[id(module)])
-            if lb is None:  # an activation's setting changed after construction; no unknown layer is read as 1-Lipschitz
+            if lb is None:  # a setting changed since construction; no unknown layer is ever read as 1-Lipschitz
                 raise BoundError(f"layer '{self._names[id(module)]}' ({module!r}) declares no bounds")
         for value in (lb.lipschitz, lb.out_bound, *lb.param_factors.values()):
             if not (value >= 0 and math.isfinite(value)):
