@@ -98,9 +98,9 @@ def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]
     return LayerBound(lipschitz=lip, out_bound=slope * x_bound + abs(offset) * math.sqrt(math.prod(in_shape)))
 
 
-# What a bounded layer declares or releases through its class: set on an instance (``layer.layer_bound = ...``), it
-# would replace the library's certified bound, or a mechanism's noisy release, by an unchecked one.
-_DECLARATIONS = ("layer_bound", "update_")
+# What a bounded layer declares through its class: set on an instance (``layer.layer_bound = ...``), it would replace
+# the library's certified bound by an unchecked one.
+_DECLARATIONS = ("layer_bound",)
 
 
 @dataclass(frozen=True)
