@@ -98,11 +98,6 @@ def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]
     return LayerBound(lipschitz=lip, out_bound=slope * x_bound + abs(offset) * math.sqrt(math.prod(in_shape)))
 
 
-# What a bounded layer declares through its class: set on an instance (``layer.layer_bound = ...``), it would replace
-# the library's certified bound by an unchecked one.
-_DECLARATIONS = ("layer_bound",)
-
-
 @dataclass(frozen=True)
 class LayerSensitivity:
     """Per-example gradient bound of one layer (its trainable tensors together)."""
@@ -247,8 +242,8 @@ class BoundEngine:
                 raise BoundError(f"module '{name}' has hooks ({len(hooks)}) that may change its outputs or gradients; "
                                  "remove them before making the model private")
             replaced = replaced_forward(module)
-            if replaced is None and isinstance(module, BoundedModule):
-                replaced = next((k for k in _DECLARATIONS if k in vars(module)), None)
+            if replaced is None and isinstance(module, BoundedModule) and "layer_bound" in vars(module):
+                replaced = "layer_bound"  # an unchecked bound in place of the class's certified one
             if replaced:
                 raise BoundError(f"module '{name}' ({type(module).__name__}) has its own {replaced} (set on the "
                                  "instance, e.g. module.forward = ..., module.layer_bound = ... or module.compile()): "
