@@ -154,10 +154,34 @@ def test_linearized_trajectory_kl_stays_under_theoretical_bound():
         trace, _ = klp.kl_trace(
             lambda r: klp.LinearizedNetwork(klp.ReLUNetwork(widths, scheme, torch.Generator().manual_seed(r),
                                                             dtype=torch.float64)),
-            x, y, xh, yh, eta=eta, sigma=sigma, steps=steps, runs=20,
+            x, y, xh, yh, eta=eta, sigma=sigma, steps=steps, runs=20, seed=0,
         )
         bound = klp.linearized_kl_bound(widths, scheme, max_norm_sq, len(x), eta, sigma, steps)
         assert 0 < trace.worst_neighbour_kl()[-1] <= bound, (scheme, trace.worst_neighbour_kl()[-1], bound)
+
+
+def test_noise_is_secret_unless_seeded():
+    """Two unseeded runs from one initialization differ (OS entropy, whatever the torch global seed); two runs
+    with one seed are equal, and the trace says which it was."""
+    x, y = _data(10, 3, 2, seed=9)
+
+    def net():
+        return klp.ReLUNetwork([3, 4, 2], "lecun", torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def trained(seed):
+        torch.manual_seed(0)  # a public global seed must not fix the noise
+        trace, models = klp.kl_trace(lambda r: net(), x, y, None, None, eta=0.1, sigma=0.1, steps=2, runs=1, seed=seed)
+        return trace, torch.cat([w.detach().flatten() for w in models[0].weights])
+
+    (t1, w1), (_, w2) = trained(None), trained(None)
+    assert not torch.equal(w1, w2) and t1.extra["randomness"] == "os-entropy"
+    (t3, w3), (_, w4) = trained(5), trained(5)
+    assert torch.equal(w3, w4) and "not private" in t3.extra["randomness"]
+    net_a, net_b = net(), net()
+    for model in (net_a, net_b):
+        torch.manual_seed(0)
+        klp.noisy_gradient_descent(model, x, y, None, None, eta=0.1, sigma=0.1, steps=1)
+    assert not torch.equal(net_a.weights[0], net_b.weights[0])
 
 
 def test_conversions_and_attack():

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.datasets import check_finite
+from ..privacy import secret_generator
 from .networks import (
     INIT_SCHEMES,
     LinearizedNetwork,
@@ -203,6 +204,8 @@ def noisy_gradient_descent(
 
     ``weight_decay`` adds ``(lambda/2) ||theta||^2`` to the objective; it is the same for ``D`` and ``D'``
     so it does not enter the gradient gaps.  Returns the gap matrix (steps x neighbours) and the train losses.
+    Without ``generator`` the noise comes from OS entropy: the KL bound is over the noise, which an adversary
+    who knows the generator's seed can subtract (the torch default generator is as public as its seed).
     """
     if eta <= 0 or sigma <= 0 or steps < 1:
         raise ValueError(f"need eta > 0, sigma > 0 and steps >= 1 (got {eta}, {sigma}, {steps})")
@@ -212,6 +215,8 @@ def noisy_gradient_descent(
     std = math.sqrt(noise_variance(eta, sigma))
     gaps, losses = [], []
     params = list(model.weights)  # type: ignore[attr-defined]
+    if generator is None:
+        generator = secret_generator(params[0].device)
     for k in range(steps):
         geometry = gradient_geometry(model, x_train, y_train, x_heldout, y_heldout, loss)
         gaps.append(neighbour_gaps(geometry))
@@ -233,18 +238,22 @@ def kl_trace(
     sigma: float,
     steps: int,
     runs: int = 3,
-    seed: int = 0,
+    seed: Optional[int] = None,
     weight_decay: float = 0.0,
     loss: str = "cross_entropy",
 ) -> Tuple[KLTrace, List[nn.Module]]:
-    """Run ``runs`` independent noisy-GD trajectories (model from ``make_model(run)``, noise seeded) and collect the KL trace."""
+    """Run ``runs`` independent noisy-GD trajectories (model from ``make_model(run)``) and collect the KL trace.
+
+    The noise comes from OS entropy unless ``seed`` is given: a seeded run is reproducible and its models are
+    NOT private against anyone who knows ``seed`` (``trace.extra["randomness"]`` says which).  The trace itself
+    is computed from the training records without noise (a measurement, not a private release)."""
     if runs < 1:
         raise ValueError("runs must be >= 1")
     max_gaps, losses, models = [], [], []
     mean_gaps: Optional[Tensor] = None
     for r in range(runs):
         model = make_model(r)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + r)
+        gen = secret_generator() if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + r)
         gaps, run_losses = noisy_gradient_descent(model, x_train, y_train, x_heldout, y_heldout, eta, sigma, steps,
                                             generator=gen, weight_decay=weight_decay, loss=loss)
         max_gaps.append(gaps.max(dim=1).values.double().numpy())
@@ -253,7 +262,8 @@ def kl_trace(
         models.append(model)
     n_held = 0 if x_heldout is None else int(x_heldout.shape[0])
     trace = KLTrace(eta, sigma, np.stack(max_gaps), mean_gaps.numpy(), np.stack(losses),  # type: ignore[union-attr]
-                    int(x_train.shape[0]), n_held)
+                    int(x_train.shape[0]), n_held,
+                    extra={"randomness": "os-entropy" if seed is None else f"fixed seed {seed} (not private)"})
     return trace, models
 
 
