@@ -97,6 +97,28 @@ def test_a_secret_generator_is_never_duplicated():
     assert torch.equal(copy.deepcopy(seeded).get_state(), seeded.get_state())
 
 
+def test_noise_without_a_generator_is_not_the_global_stream():
+    """The noise primitives given no generator draw from OS entropy: with torch's global seed fixed (public), two
+    calls still differ (a gradient or count noised from the global stream could be denoised by replaying it)."""
+    from clipless.privacy.noise import add_gaussian_noise_, noisy_count
+
+    def noised():
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.zeros(16))
+        p.grad = torch.ones(16)
+        add_gaussian_noise_([p], 1.0, 1.0, None)
+        torch.manual_seed(0)
+        return p.grad.clone(), noisy_count(3.0, 1.0, None)
+
+    (g1, c1), (g2, c2) = noised(), noised()
+    assert not torch.equal(g1, g2) and c1 != c2
+    clip = cl.AdaptiveLossGradientClip(1.0, count_noise_multiplier=1.0)
+    torch.manual_seed(0)
+    first = clip.update_(10.0)
+    torch.manual_seed(0)
+    assert clip.update_(10.0) != first
+
+
 def test_poisson_sampler_default_batches_differ_between_instances():
     first = [list(b) for b in cl.PoissonBatchSampler(1000, 0.1, steps_per_epoch=3)]
     second = [list(b) for b in cl.PoissonBatchSampler(1000, 0.1, steps_per_epoch=3)]

@@ -13,6 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 
 from .bounds import BoundReport
+from .randomness import secret_generator
 
 __all__ = [
     "STRATEGIES",
@@ -76,12 +77,14 @@ def add_noise_(
 
 @torch.no_grad()
 def add_gaussian_noise_(
-    params: Sequence[torch.Tensor], std: float, expected_batch_size: float, generator: torch.Generator
+    params: Sequence[torch.Tensor], std: float, expected_batch_size: float, generator: Optional[torch.Generator]
 ) -> None:
     """``grad <- (grad + N(0, std^2 I)) / b`` for each parameter (a missing ``.grad`` counts as zero);
-    ``std = 0`` draws nothing."""
+    ``std = 0`` draws nothing; ``generator`` None: OS entropy, never torch's global generator."""
     if expected_batch_size <= 0:
         raise ValueError("expected batch size must be positive")
+    if generator is None and std != 0 and params:
+        generator = secret_generator(params[0].device)
     for param in params:
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         if std == 0:
@@ -96,8 +99,11 @@ def noisy_count(count: float, std: float, generator: Optional[torch.Generator], 
     """``count + N(0, std^2)`` in float64: the release of a per-step count of add/remove sensitivity 1.
 
     ``distributed``: the local counts are summed over the ranks, rank 0 draws the one noise and every rank
-    receives the same noisy total (:mod:`clipless.privacy.distributed`).
+    receives the same noisy total (:mod:`clipless.privacy.distributed`).  Without ``generator`` the noise comes
+    from OS entropy (torch's global generator is as public as its seed).
     """
+    if generator is None:
+        generator = secret_generator(device)
     if not distributed:
         return count + std * float(torch.randn((), generator=generator, dtype=torch.float64, device=device))
     from .distributed import all_reduce_sum_, broadcast_value, world
