@@ -692,6 +692,9 @@ def test_a_resumed_pretrainer_draws_fresh_secret_randomness(tmp_path, seed) -> N
     assert torch.equal(forks[0], forks[1]) is (seed is not None)
     saved = load_checkpoint(tmp_path / "c.pt")  # a secret run's checkpoint keeps no generator state at all
     assert (saved["noise_rng"] is None and saved["sampling_rng"] is None) is (seed is None)
+    # nor the augmentation's per-record draw counts: how often the secret sampling took each record
+    assert (saved["pairs"] is None) is (seed is None)
+    assert seed is None or torch.equal(saved["pairs"]["draws"], first.pairs.draws)
 
 
 def test_a_pretraining_resume_on_other_records_is_refused(tmp_path) -> None:

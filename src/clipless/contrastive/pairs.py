@@ -155,7 +155,9 @@ class AugmentedPairs(Dataset):
         return digest.hexdigest()
 
     def state_dict(self) -> dict:
-        """Key and draw counts: resuming from them repeats the augmentations exactly (as secret as the data)."""
+        """Key and draw counts: resuming from them repeats the augmentations exactly.  The counts say how often
+        the sampling took each record, so they are as secret as the batches: the pre-trainer's checkpoint keeps
+        them only for a seeded run."""
         return {"key": self.key, "draws": self.draws.clone()}
 
     def load_state_dict(self, state: dict) -> None:

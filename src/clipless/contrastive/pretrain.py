@@ -294,6 +294,10 @@ class ContrastivePretrainer:
         checksummed: :mod:`clipless.train.checkpoint`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        sampling_rng = saved_generator_state(self.loader.batch_sampler.generator)  # type: ignore[union-attr]
+        # The augmentation state counts each record's draws, i.e. how often the secret Poisson sampling took it:
+        # kept only where the sampling state is (a seeded run); a secret run's resume draws fresh augmentations.
+        keep_pairs = sampling_rng is not None and hasattr(self.pairs, "state_dict")
         state = {
             "encoder": self.encoder.state_dict(), "optimizer": self.optimizer.state_dict(),
             "accountant": None if self.accountant is None else self.accountant.state_dict(),
@@ -301,8 +305,8 @@ class ContrastivePretrainer:
                                                                                  fingerprint_key_for(path))},
             "steps": self.steps, "epoch": self.epoch, "history": self.history,
             "wall": self._wall, "noise_rng": saved_generator_state(self.noise_generator),
-            "sampling_rng": saved_generator_state(self.loader.batch_sampler.generator),  # type: ignore[union-attr]
-            "pairs": self.pairs.state_dict() if hasattr(self.pairs, "state_dict") else None,
+            "sampling_rng": sampling_rng,
+            "pairs": self.pairs.state_dict() if keep_pairs else None,  # type: ignore[attr-defined]
         }
         save_checkpoint(state, path)
 
