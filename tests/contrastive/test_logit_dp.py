@@ -756,6 +756,47 @@ def test_bad_input_errors() -> None:
             logit_dp_gradient(enc, x, x, "contrastive", 1.0, 1.0)
 
 
+class _RunningMean(nn.Module):
+    """A layer that keeps a running mean of its inputs in a buffer: a statistic of the batches without noise."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x
+
+
+@pytest.mark.parametrize("method", ["naive_dp", "logit_dp"])
+def test_private_pretraining_refuses_an_encoder_that_keeps_batch_statistics(method) -> None:
+    """Naive-DP accepted BatchNorm: its whole-batch clip bounds the gradient, but the running mean and variance of
+    the private batches stayed in the encoder's buffers without noise, released with it.  Known layers are refused
+    up front; any other change of the encoder by a forward or backward is refused at the step, the encoder restored
+    and nothing released."""
+    data, pairs = _digits_pairs()
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 8))
+    with pytest.raises(ValueError, match="running statistics"):
+        ContrastivePretrainer(enc, torch.optim.SGD(enc.parameters(), lr=0.1), pairs, method=method, batch_size=64,
+                              epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False, log=None)
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), _RunningMean(16), nn.Linear(16, 8))
+    t = ContrastivePretrainer(enc, torch.optim.SGD(enc.parameters(), lr=0.1), pairs, method=method, batch_size=64,
+                              epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False, log=None)
+    before = {k: v.clone() for k, v in enc.state_dict().items()}
+    # Logit-DP's torch.func Jacobians of this layer refuse the mutation themselves, after the plain forward made it
+    with pytest.raises(ValueError if method == "naive_dp" else RuntimeError,
+                       match="changed 2.mean" if method == "naive_dp" else "mutate"):
+        t.fit()
+    assert all(torch.equal(v, before[k]) for k, v in enc.state_dict().items())
+    assert t.steps == 0 and t.accountant.steps == 0 and all(p.grad is None for p in enc.parameters())
+    # without privacy nothing is refused (nothing is claimed)
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 8))
+    ContrastivePretrainer(enc, torch.optim.SGD(enc.parameters(), lr=0.1), pairs, method="nonprivate", batch_size=64,
+                          epochs=1, progress=False, log=None)
+
+
 def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",

@@ -101,6 +101,42 @@ class PretrainResult:
         return asdict(self)
 
 
+def _check_no_running_statistics(encoder: nn.Module) -> None:
+    """Running statistics (BatchNorm's, updated by every training forward) are averages of the private batches
+    kept without noise in the encoder, and released with it."""
+    for name, m in encoder.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            raise ValueError(f"layer {name or 'encoder'} ({type(m).__name__}) keeps running statistics of the batches: "
+                             "they would be released with the encoder without noise; use a per-example "
+                             "normalization (LayerNorm, GroupNorm)")
+
+
+def _state_snapshot(encoder: nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+
+
+def _restore_state(encoder: nn.Module, before: Dict[str, torch.Tensor]) -> None:
+    """Put back the parameters and buffers of ``before`` and drop the gradients (un-noised functions of the batch)."""
+    state = encoder.state_dict()
+    with torch.no_grad():
+        for k in set(before) & set(state):
+            state[k].copy_(before[k])
+    for p in encoder.parameters():
+        p.grad = None
+
+
+def _check_state_unchanged(encoder: nn.Module, before: Dict[str, torch.Tensor]) -> None:
+    """The gradient pass of a private step may change nothing of the encoder: a parameter or buffer changed by a
+    forward (a running average, a weight normalised in place) holds a function of the batch without noise."""
+    state = encoder.state_dict()
+    changed = sorted(k for k in set(before) | set(state)
+                     if k not in before or k not in state or not torch.equal(state[k], before[k]))
+    if changed:
+        raise ValueError(f"the encoder's forward or backward changed {', '.join(changed[:4])}: a function of the "
+                         "private batch, kept without noise and released with the encoder; the private step refused "
+                         "it and restored the encoder (only the noisy optimizer step may change it)")
+
+
 class ContrastivePretrainer:
     """Pre-train ``encoder`` on the positive pairs ``pairs`` with ``method`` in ``METHODS``.
 
@@ -168,6 +204,7 @@ class ContrastivePretrainer:
         self.sigma: Optional[float] = None
         self.sensitivity: Optional[float] = None
         if method != "nonprivate":
+            _check_no_running_statistics(encoder)
             if delta is None:
                 raise ValueError("a private method needs delta")
             check_delta(delta, n)
@@ -196,13 +233,21 @@ class ContrastivePretrainer:
 
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
         self.encoder.train()
-        if self.method == "logit_dp":
-            stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method,
-                                      cross_term=self.cross_term)
-        elif self.method == "naive_dp":
-            stats = naive_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm)
-        else:
-            stats = nonprivate_gradient(self.encoder, xa, xb, self.loss, self.tau)
+        before = None if self.accountant is None else _state_snapshot(self.encoder)
+        try:
+            if self.method == "logit_dp":
+                stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method,
+                                          cross_term=self.cross_term)
+            elif self.method == "naive_dp":
+                stats = naive_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm)
+            else:
+                stats = nonprivate_gradient(self.encoder, xa, xb, self.loss, self.tau)
+            if before is not None:
+                _check_state_unchanged(self.encoder, before)
+        except BaseException:  # a refused or failed step leaves nothing of the batch in the encoder
+            if before is not None:
+                _restore_state(self.encoder, before)
+            raise
         params = [p for p in self.encoder.parameters() if p.requires_grad]
         if self.accountant is not None:
             self.plan.check_budget(self.accountant.steps)  # type: ignore[union-attr]
