@@ -702,3 +702,40 @@ def test_trainer_with_tightness_monitor_and_averaging_runs_guarded():
                                     average_decay=0.9, tightness_monitor=cl.diagnostics.TightnessMonitor(every=2, sample=2))
         result = trainer.fit()
     assert result.steps == 16
+
+
+class _BatchSum(cl.privacy.BoundedModule):
+    """A 1-Lipschitz identity that keeps the sum of every training batch in a buffer (no noise)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(width))
+
+    def layer_bound(self, x_bound, in_shape):
+        return cl.privacy.LayerBound(lipschitz=1.0, out_bound=x_bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.total.add_(x.sum(0))
+        return x
+
+
+def test_a_buffer_changed_by_the_forward_is_refused_and_put_back():
+    """A layer's buffer updated by the forward (a running statistic) held an un-noised sum of the batch, released
+    with the model's state_dict, and the step went through.  Now the step is refused and the buffer restored; a
+    buffer set by hand between steps is refused the same way."""
+    model = nn.Sequential(_BatchSum(6), cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    model, opt, loss, engine, x, y = _setup(model=model)
+    loss.per_example(model(x), y).sum().backward()
+    text = _refused(opt, engine, "buffers of the private model changed")
+    assert "0.total" in text and torch.equal(model[0].total, torch.zeros(6))
+    model[0].eval()  # the buffer stays as released: the step goes through
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+    opt.zero_grad()
+    model[0].total.fill_(1.0)
+    loss.per_example(model(x), y).sum().backward()
+    _refused(opt, engine, "buffers of the private model changed")
+    assert torch.equal(model[0].total, torch.zeros(6))

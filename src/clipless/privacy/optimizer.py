@@ -31,6 +31,15 @@ from .sampling import PoissonDataLoader
 __all__ = ["DPOptimizer"]
 
 
+def _buffer_snapshot(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def _same_values(current: torch.Tensor, saved: torch.Tensor) -> bool:
+    return current.shape == saved.shape and current.dtype == saved.dtype and torch.equal(
+        current.detach(), saved.to(current.device))
+
+
 class DPOptimizer:
     """A private optimizer step around ``optimizer`` for the model covered by ``bound_engine``.
 
@@ -91,6 +100,7 @@ class DPOptimizer:
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
+        self._buffers = _buffer_snapshot(bound_engine.model)  # as released: only a private step may change them
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
@@ -179,6 +189,26 @@ class DPOptimizer:
                              "for augmented copies pass augmentation_multiplicity=K to make_private and backpropagate "
                              "the mean over each example's K rows")
 
+    def _check_buffers(self) -> None:
+        """A buffer changed since the last release (a layer's running statistic updated by the forward, say) holds
+        a function of the batch without noise, and the model's ``state_dict`` would release it: refused, and put
+        back, so that nothing of the batch stays in the model."""
+        model = self.bound_engine.model
+        current = dict(model.named_buffers())
+        changed = sorted(name for name in set(current) | set(self._buffers)
+                         if name not in current or name not in self._buffers
+                         or not _same_values(current[name], self._buffers[name]))
+        if not changed:
+            return
+        with torch.no_grad():
+            for name in set(current) & set(self._buffers):
+                current[name].copy_(self._buffers[name].to(current[name].device))
+        raise BoundError(f"buffers of the private model changed since the last private step ({', '.join(changed[:4])}): "
+                         "a buffer that a forward or backward updates (a running statistic) holds the batch without "
+                         "noise and would be released with the model; they were put back. Only the private step may "
+                         "change the model: use layers without such state (on a resume, load the model's state "
+                         "before the optimizer's)")
+
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         return self.original_optimizer.param_groups
@@ -217,6 +247,7 @@ class DPOptimizer:
     def _checked_report(self, params: List[torch.Tensor]) -> BoundReport:
         """Every check of the step's gradients, then the certified bounds they are noised with."""
         self.guard.check_step(params)
+        self._check_buffers()
         self._check_rows()
         report = self.bound_engine.compute()
         bounded = [id(p) for layer in report.layers for p in layer.params]
@@ -256,6 +287,7 @@ class DPOptimizer:
             else:  # the one-process call, as every PerStepMechanism implements it
                 clip.update_(self.expected_batch_size, self.generator)
         self.plan.account_step(self.accountant)
+        self._buffers = _buffer_snapshot(self.bound_engine.model)  # as released (a noisy count may update one)
         self._steps_released += 1
         self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
 
@@ -273,6 +305,7 @@ class DPOptimizer:
         check_nothing_released(self._steps_released, "this private optimizer")
         self.original_optimizer.load_state_dict(state["optimizer"])
         resume_generator(self.generator, state["noise_generator"])
+        self._buffers = _buffer_snapshot(self.bound_engine.model)  # the resumed model's, loaded before this
 
     def __repr__(self) -> str:
         return (
