@@ -203,8 +203,8 @@ class DPOptimizer:
         with torch.no_grad():
             for name in set(current) & set(self._buffers):
                 current[name].copy_(self._buffers[name].to(current[name].device))
-        raise BoundError(f"buffers of the private model changed since the last private step ({', '.join(changed[:4])}): "
-                         "a buffer that a forward or backward updates (a running statistic) holds the batch without "
+        raise BoundError(f"buffers of the private model changed since the last private step "
+                         f"({', '.join(changed[:4])}): a buffer that a forward or backward updates (a running statistic) holds the batch without "
                          "noise and would be released with the model; they were put back. Only the private step may "
                          "change the model: use layers without such state (on a resume, load the model's state "
                          "before the optimizer's)")
