@@ -731,3 +731,75 @@ def _yaml(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("epochs: 2.7\n")  # a fractional epoch count would overrun the planned budget
     return path
+
+
+def test_a_model_trained_by_one_engine_is_refused_by_another():
+    """A second PrivacyEngine made a trained private model private again with a fresh accountant, and reported the
+    epsilon of its own steps only (5 steps: 3.57, where the model had released 10).  It is now refused; the same
+    engine composes both phases, and a deep copy of the trained model carries its history (refused too)."""
+    import copy
+
+    data = cl.load_digits()
+    shape = tuple(data.train[0][0].shape)
+    loss = cl.TauCrossEntropy(8.0)
+    model = cl.lipschitz_mlp(shape, 10, hidden=(16,), input_clip=8.0)
+
+    def private(engine, m):
+        return engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data=data.train,
+                                   loss=loss, noise_multiplier=1.0, input_shape=shape, batch_size=256.0,
+                                   input_bound=8.0)
+
+    first = cl.PrivacyEngine()
+    fresh = cl.PrivacyEngine()
+    private(fresh, model)  # made private by an engine that released nothing: another engine may take it over
+    for _ in range(2):  # two phases through the first engine
+        m, opt, loader = private(first, model)
+        for _, (x, y) in zip(range(3), loader):
+            opt.zero_grad()
+            loss.per_example(m(x), y).sum().backward()
+            opt.step()
+    assert first.accountant.steps == 6
+    for target in (model, copy.deepcopy(model)):
+        with pytest.raises(ValueError, match="already released 6 private step"):
+            private(cl.PrivacyEngine(), target)
+    from clipless.contrastive import AugmentedPairs, ContrastivePretrainer
+
+    encoder = nn.Sequential(nn.Flatten(), nn.Linear(64, 8))
+
+    def pretrainer():
+        return ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1),
+                                     AugmentedPairs(data.train.features, 1, False), method="naive_dp",
+                                     batch_size=512, epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False,
+                                     log=None)
+
+    released = pretrainer().fit().steps
+    with pytest.raises(ValueError, match=f"already released {released} private step"):
+        pretrainer()
+
+
+def test_a_target_epsilon_is_refused_on_an_accountant_with_history():
+    """A target epsilon plans a run from its first step.  Through the same engine after released steps, the plan
+    ignored them: after 2 steps at sigma 0.5 (epsilon 9.6), a target of 3 calibrated for 6 fresh steps allowed 4
+    more, to a composed epsilon of 9.8.  Refused now; a fixed noise_multiplier goes on composing."""
+    data = cl.load_digits()
+    shape = tuple(data.train[0][0].shape)
+    loss = cl.TauCrossEntropy(8.0)
+    model = cl.lipschitz_mlp(shape, 10, hidden=(16,), input_clip=8.0)
+    engine = cl.PrivacyEngine()
+    kw = dict(module=model, data=data.train, loss=loss, input_shape=shape, batch_size=256.0, input_bound=8.0)
+    m, opt, loader = engine.make_private(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.5,
+                                         **kw)
+    for _, (x, y) in zip(range(2), loader):
+        opt.zero_grad()
+        loss.per_example(m(x), y).sum().backward()
+        opt.step()
+    before = engine.get_epsilon(1e-5)
+    with pytest.raises(ValueError, match="already composed 2 step"):
+        engine.make_private_with_epsilon(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), target_epsilon=3.0,
+                                         target_delta=1e-5, epochs=1, **kw)
+    m, opt, loader = engine.make_private(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                                         **kw)
+    x, y = next(iter(loader))
+    loss.per_example(m(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 3 and engine.get_epsilon(1e-5) > before

@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from ..data.datasets import check_held_out
 from ..nn.functional import whole_number
-from ..privacy.accounting import PrivacyAccountant, check_accounted_steps, check_delta, check_nothing_released
+from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_delta,
+                                  check_nothing_released)
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
 from ..privacy.distributed import world
@@ -209,6 +210,7 @@ class ContrastivePretrainer:
                 raise ValueError("a private method needs delta")
             check_delta(delta, n)
             self.accountant = PrivacyAccountant(accountant)
+            bind_accountant(encoder, self.accountant)
             # One Gaussian mechanism per step (the whole clipped gradient), planned like every other run.
             self.plan = plan_noise(None, sample_rate=self.sample_rate, accountant=accountant,
                                    noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,

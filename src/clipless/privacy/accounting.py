@@ -17,6 +17,7 @@ import dp_accounting
 from dp_accounting import pld, rdp
 
 __all__ = [
+    "bind_accountant",
     "check_nothing_released",
     "PrivacyAccountant",
     "effective_noise_multiplier",
@@ -147,6 +148,24 @@ def check_nothing_released(released_steps: int, what: str) -> None:
         raise ValueError(f"{what} has already released {released_steps} private step(s): loading a saved state "
                          "would roll them back (the restored noise stream would draw their noise again, and the "
                          "accountant would forget them); resume into a new run")
+
+
+# The accountant that composes the private steps a model (or encoder) has released, kept on the module itself so that
+# it travels with it (a copy of the model carries a copy of its history).
+_ACCOUNTANT_ATTR = "_clipless_privacy_accountant"
+
+
+def bind_accountant(model: Any, accountant: "PrivacyAccountant") -> None:
+    """Record that ``accountant`` composes every private step released on ``model`` from now on; refuse when another
+    accountant has already composed steps on it.  A second engine's fresh accountant would report the epsilon of
+    its own steps only, while the model also carries the earlier ones."""
+    previous = getattr(model, _ACCOUNTANT_ATTR, None)
+    if previous is not None and previous is not accountant and previous.steps > 0:
+        raise ValueError(f"this model has already released {previous.steps} private step(s) composed by another "
+                         "accountant: a new one would report the epsilon of its own steps only. Make it private again "
+                         "through the same PrivacyEngine (its accountant goes on composing), or start from a model "
+                         "never trained on the data")
+    object.__setattr__(model, _ACCOUNTANT_ATTR, accountant)
 
 
 def _quiet_excluded_orders(record: logging.LogRecord) -> bool:

@@ -263,7 +263,8 @@ class BoundEngine:
         if len(current) != len(self._leaves) or any(a is not b for a, b in zip(current, self._leaves)) or any(
                 names.get(id(m)) != self._names.get(id(m)) for m in current):
             raise BoundError("the model's layers changed after its bounds were set up (a layer added, removed, "
-                             "replaced or moved): the new layers carry no certified bound; call make_private again")
+                             "replaced or moved): the new layers carry no certified bound; call make_private again "
+                             "on the same PrivacyEngine")
 
     def _check_parameters_covered(self) -> None:
         residual = Residual

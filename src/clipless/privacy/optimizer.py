@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .accounting import PrivacyAccountant, check_nothing_released
+from .accounting import PrivacyAccountant, bind_accountant, check_nothing_released
 from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError
@@ -71,6 +71,7 @@ class DPOptimizer:
             raise ValueError(f"{type(optimizer).__name__} needs a closure in step(): it evaluates the loss several "
                              "times per step, and each evaluation's gradient would be used without noise; use a "
                              "first-order optimizer (SGD, Adam, ...)")
+        bind_accountant(bound_engine.model, accountant)
         self.original_optimizer = optimizer
         self.rank, self.world_size = world() if distributed else (0, 1)
         if distributed and self.world_size == 1:
@@ -133,7 +134,8 @@ class DPOptimizer:
                 if id(p) not in self._bounded and (p.requires_grad or p.grad is not None):
                     raise BoundError("the optimizer holds a trainable parameter that the bound engine does not cover "
                                      "(added after make_private, or frozen when the bounds were computed); "
-                                     "call make_private again")
+                                     "call make_private again on the same PrivacyEngine (its accountant goes on "
+                                     "composing)")
 
     def watch_batches(self, loader: PoissonDataLoader, external_batches: bool = False) -> None:
         """Each step must then release exactly one new batch of ``loader``.
@@ -255,7 +257,7 @@ class DPOptimizer:
         if len(bounded) != len(noised) or not noised <= self._bounded:
             raise BoundError("a parameter of the model was replaced or shared between layers after make_private: "
                              "the optimizer would not step it, or its gradient would sum two separately bounded "
-                             "blocks; call make_private again")
+                             "blocks; call make_private again on the same PrivacyEngine")
         # The noise goes to the report's parameters; the optimizer steps every parameter that has a gradient,
         # frozen or not (a weight frozen between the backward and step() kept its summed gradient).
         if any(p.grad is not None and id(p) not in noised for p in params):

@@ -154,6 +154,11 @@ class PrivacyEngine:
             check_delta(target_delta, n)
         if target_epsilon is not None and target_delta is None:
             raise ValueError("target_epsilon needs target_delta")
+        if target_epsilon is not None and self.accountant.steps > 0:
+            raise ValueError(f"this engine's accountant has already composed {self.accountant.steps} step(s): a "
+                             "target epsilon plans a run from its first step and would not count them; give "
+                             "noise_multiplier instead (the accountant composes every step, get_epsilon(delta) "
+                             "reports the total)")
         sample_rate = b / n
         poisson_threshold(sample_rate)  # refuses a rate the sampler cannot realise, before anything runs
         x0, data_bound = resolve_input_bound(module, input_bound)
