@@ -707,9 +707,12 @@ def test_trainer_with_tightness_monitor_and_averaging_runs_guarded():
 class _BatchSum(cl.privacy.BoundedModule):
     """A 1-Lipschitz identity that keeps the sum of every training batch in a buffer (no noise)."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, frozen_parameter: bool = False) -> None:
         super().__init__()
-        self.register_buffer("total", torch.zeros(width))
+        if frozen_parameter:  # the same state kept as a parameter the optimizer does not step
+            self.total = nn.Parameter(torch.zeros(width), requires_grad=False)
+        else:
+            self.register_buffer("total", torch.zeros(width))
 
     def layer_bound(self, x_bound, in_shape):
         return cl.privacy.LayerBound(lipschitz=1.0, out_bound=x_bound)
@@ -721,15 +724,26 @@ class _BatchSum(cl.privacy.BoundedModule):
         return x
 
 
-def test_a_buffer_changed_by_the_forward_is_refused_and_put_back():
-    """A layer's buffer updated by the forward (a running statistic) held an un-noised sum of the batch, released
-    with the model's state_dict, and the step went through.  Now the step is refused and the buffer restored; a
-    buffer set by hand between steps is refused the same way."""
-    model = nn.Sequential(_BatchSum(6), cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+@pytest.mark.parametrize("frozen_parameter", [False, True])
+def test_a_buffer_changed_by_the_forward_is_refused_and_put_back(frozen_parameter):
+    """A layer's buffer (or frozen parameter) updated by the forward, as a running statistic, held an un-noised sum
+    of the batch, released with the model's state_dict, and the step went through.  Now the step is refused and
+    the state restored; state set by hand between steps is refused the same way."""
+    model = nn.Sequential(_BatchSum(6, frozen_parameter), cl.LipschitzLinear(6, 8), cl.MaxMin(),
+                          cl.LipschitzLinear(8, 3))
     model, opt, loss, engine, x, y = _setup(model=model)
     loss.per_example(model(x), y).sum().backward()
-    text = _refused(opt, engine, "buffers of the private model changed")
-    assert "0.total" in text and torch.equal(model[0].total, torch.zeros(6))
+    trained = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+    def refused():  # as _refused, but the changed state itself is put back, so it differs from before the step
+        with pytest.raises(BoundError, match="buffers or frozen parameters of the private model changed") as info:
+            opt.step()
+        assert engine.accountant.steps == steps and torch.equal(model[0].total, torch.zeros(6))
+        assert all(torch.equal(a, p) for a, p in zip(trained, (p for p in model.parameters() if p.requires_grad)))
+        return str(info.value)
+
+    steps = engine.accountant.steps
+    assert "0.total" in refused()
     model[0].eval()  # the buffer stays as released: the step goes through
     loss.per_example(model(x), y).sum().backward()
     opt.step()
@@ -737,5 +751,5 @@ def test_a_buffer_changed_by_the_forward_is_refused_and_put_back():
     opt.zero_grad()
     model[0].total.fill_(1.0)
     loss.per_example(model(x), y).sum().backward()
-    _refused(opt, engine, "buffers of the private model changed")
-    assert torch.equal(model[0].total, torch.zeros(6))
+    steps, trained = engine.accountant.steps, [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    refused()

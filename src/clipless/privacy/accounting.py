@@ -163,8 +163,9 @@ def bind_accountant(model: Any, accountant: "PrivacyAccountant") -> None:
     if previous is not None and previous is not accountant and previous.steps > 0:
         raise ValueError(f"this model has already released {previous.steps} private step(s) composed by another "
                          "accountant: a new one would report the epsilon of its own steps only. Make it private again "
-                         "through the same PrivacyEngine (its accountant goes on composing), or start from a model "
-                         "never trained on the data")
+                         "through the same PrivacyEngine (its accountant goes on composing), resume a fresh model "
+                         "from the run's checkpoint (its accountant state is restored), or start from a model never "
+                         "trained on the data")
     object.__setattr__(model, _ACCOUNTANT_ATTR, accountant)
 
 

@@ -13,7 +13,7 @@ be the gradient of the **sum** of per-example losses of one Poisson batch
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -31,8 +31,15 @@ from .sampling import PoissonDataLoader
 __all__ = ["DPOptimizer"]
 
 
-def _buffer_snapshot(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    return {name: b.detach().clone() for name, b in model.named_buffers()}
+def _kept_tensors(model: torch.nn.Module, stepped: Set[int]) -> Dict[str, torch.Tensor]:
+    """The buffers and the parameters the private step does not noise and step (frozen ones), by name."""
+    kept = {name: b for name, b in model.named_buffers()}
+    kept.update((name, p) for name, p in model.named_parameters() if id(p) not in stepped)
+    return kept
+
+
+def _kept_state(model: torch.nn.Module, stepped: Set[int]) -> Dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in _kept_tensors(model, stepped).items()}
 
 
 def _same_values(current: torch.Tensor, saved: torch.Tensor) -> bool:
@@ -101,7 +108,7 @@ class DPOptimizer:
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
-        self._buffers = _buffer_snapshot(bound_engine.model)  # as released: only a private step may change them
+        self._kept = _kept_state(bound_engine.model, self._bounded)  # as released: only a private step changes it
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
@@ -191,25 +198,24 @@ class DPOptimizer:
                              "for augmented copies pass augmentation_multiplicity=K to make_private and backpropagate "
                              "the mean over each example's K rows")
 
-    def _check_buffers(self) -> None:
-        """A buffer changed since the last release (a layer's running statistic updated by the forward, say) holds
-        a function of the batch without noise, and the model's ``state_dict`` would release it: refused, and put
-        back, so that nothing of the batch stays in the model."""
-        model = self.bound_engine.model
-        current = dict(model.named_buffers())
-        changed = sorted(name for name in set(current) | set(self._buffers)
-                         if name not in current or name not in self._buffers
-                         or not _same_values(current[name], self._buffers[name]))
+    def _check_kept_state(self) -> None:
+        """A buffer or frozen parameter changed since the last release (a layer's running statistic updated by the
+        forward, say) holds a function of the batch without noise, and the model's ``state_dict`` would release
+        it: refused, and put back, so that nothing of the batch stays in the model."""
+        current = _kept_tensors(self.bound_engine.model, self._bounded)
+        changed = sorted(name for name in set(current) | set(self._kept)
+                         if name not in current or name not in self._kept
+                         or not _same_values(current[name], self._kept[name]))
         if not changed:
             return
         with torch.no_grad():
-            for name in set(current) & set(self._buffers):
-                current[name].copy_(self._buffers[name].to(current[name].device))
-        raise BoundError(f"buffers of the private model changed since the last private step "
-                         f"({', '.join(changed[:4])}): a buffer that a forward or backward updates (a running statistic) holds the batch without "
-                         "noise and would be released with the model; they were put back. Only the private step may "
-                         "change the model: use layers without such state (on a resume, load the model's state "
-                         "before the optimizer's)")
+            for name in set(current) & set(self._kept):
+                current[name].copy_(self._kept[name].to(current[name].device))
+        raise BoundError(f"buffers or frozen parameters of the private model changed since the last private step "
+                         f"({', '.join(changed[:4])}): state that a forward or backward updates (a running statistic) "
+                         "holds the batch without noise and would be released with the model; it was put back. Only "
+                         "the private step may change the model: use layers without such state (on a resume, load "
+                         "the model's state before the optimizer's)")
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -249,7 +255,6 @@ class DPOptimizer:
     def _checked_report(self, params: List[torch.Tensor]) -> BoundReport:
         """Every check of the step's gradients, then the certified bounds they are noised with."""
         self.guard.check_step(params)
-        self._check_buffers()
         self._check_rows()
         report = self.bound_engine.compute()
         bounded = [id(p) for layer in report.layers for p in layer.params]
@@ -265,6 +270,7 @@ class DPOptimizer:
                              "after the backward) has a gradient: the optimizer would apply it without noise; "
                              "freeze parameters before the forward, or set their .grad to None")
         self.guard.check_sums(report)
+        self._check_kept_state()  # after the checks that name a replaced or frozen parameter more precisely
         return report
 
     def _release(self, params: List[torch.Tensor], report: BoundReport) -> None:
@@ -289,7 +295,7 @@ class DPOptimizer:
             else:  # the one-process call, as every PerStepMechanism implements it
                 clip.update_(self.expected_batch_size, self.generator)
         self.plan.account_step(self.accountant)
-        self._buffers = _buffer_snapshot(self.bound_engine.model)  # as released (a noisy count may update one)
+        self._kept = _kept_state(self.bound_engine.model, self._bounded)  # as released (a noisy count updates one)
         self._steps_released += 1
         self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
 
@@ -307,7 +313,7 @@ class DPOptimizer:
         check_nothing_released(self._steps_released, "this private optimizer")
         self.original_optimizer.load_state_dict(state["optimizer"])
         resume_generator(self.generator, state["noise_generator"])
-        self._buffers = _buffer_snapshot(self.bound_engine.model)  # the resumed model's, loaded before this
+        self._kept = _kept_state(self.bound_engine.model, self._bounded)  # the resumed model's, loaded before
 
     def __repr__(self) -> str:
         return (
