@@ -25,6 +25,7 @@ from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_acco
                                   check_nothing_released)
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
+from ..privacy.optimizer import changed_state, restore_state_, snapshot_state
 from ..privacy.distributed import world
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
@@ -112,26 +113,10 @@ def _check_no_running_statistics(encoder: nn.Module) -> None:
                              "normalization (LayerNorm, GroupNorm)")
 
 
-def _state_snapshot(encoder: nn.Module) -> Dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in encoder.state_dict().items()}
-
-
-def _restore_state(encoder: nn.Module, before: Dict[str, torch.Tensor]) -> None:
-    """Put back the parameters and buffers of ``before`` and drop the gradients (un-noised functions of the batch)."""
-    state = encoder.state_dict()
-    with torch.no_grad():
-        for k in set(before) & set(state):
-            state[k].copy_(before[k])
-    for p in encoder.parameters():
-        p.grad = None
-
-
 def _check_state_unchanged(encoder: nn.Module, before: Dict[str, torch.Tensor]) -> None:
     """The gradient pass of a private step may change nothing of the encoder: a parameter or buffer changed by a
     forward (a running average, a weight normalised in place) holds a function of the batch without noise."""
-    state = encoder.state_dict()
-    changed = sorted(k for k in set(before) | set(state)
-                     if k not in before or k not in state or not torch.equal(state[k], before[k]))
+    changed = changed_state(encoder.state_dict(), before)
     if changed:
         raise ValueError(f"the encoder's forward or backward changed {', '.join(changed[:4])}: a function of the "
                          "private batch, kept without noise and released with the encoder; the private step refused "
@@ -235,7 +220,7 @@ class ContrastivePretrainer:
 
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
         self.encoder.train()
-        before = None if self.accountant is None else _state_snapshot(self.encoder)
+        before = None if self.accountant is None else snapshot_state(self.encoder.state_dict())
         try:
             if self.method == "logit_dp":
                 stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method,
@@ -248,7 +233,9 @@ class ContrastivePretrainer:
                 _check_state_unchanged(self.encoder, before)
         except BaseException:  # a refused or failed step leaves nothing of the batch in the encoder
             if before is not None:
-                _restore_state(self.encoder, before)
+                restore_state_(self.encoder.state_dict(), before)
+                for p in self.encoder.parameters():
+                    p.grad = None  # un-noised functions of the batch
             raise
         params = [p for p in self.encoder.parameters() if p.requires_grad]
         if self.accountant is not None:

@@ -28,7 +28,7 @@ from .noise import add_noise_
 from .randomness import resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
-__all__ = ["DPOptimizer"]
+__all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_"]
 
 
 def _kept_tensors(model: torch.nn.Module, stepped: Set[int]) -> Dict[str, torch.Tensor]:
@@ -38,13 +38,24 @@ def _kept_tensors(model: torch.nn.Module, stepped: Set[int]) -> Dict[str, torch.
     return kept
 
 
-def _kept_state(model: torch.nn.Module, stepped: Set[int]) -> Dict[str, torch.Tensor]:
-    return {name: t.detach().clone() for name, t in _kept_tensors(model, stepped).items()}
+def snapshot_state(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Copies of a model's named tensors, to tell later whether anything but a private step changed them."""
+    return {name: t.detach().clone() for name, t in tensors.items()}
 
 
-def _same_values(current: torch.Tensor, saved: torch.Tensor) -> bool:
-    return current.shape == saved.shape and current.dtype == saved.dtype and torch.equal(
-        current.detach(), saved.to(current.device))
+def changed_state(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> List[str]:
+    """The names whose tensor differs from the snapshot (values compared element by element), added or removed."""
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.detach(), b.to(a.device))
+    return sorted(name for name in set(current) | set(saved)
+                  if name not in current or name not in saved or not same(current[name], saved[name]))
+
+
+@torch.no_grad()
+def restore_state_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> None:
+    """Put the snapshot's values back into the tensors of the same names."""
+    for name in set(current) & set(saved):
+        current[name].copy_(saved[name].to(current[name].device))
 
 
 class DPOptimizer:
@@ -108,7 +119,7 @@ class DPOptimizer:
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
-        self._kept = _kept_state(bound_engine.model, self._bounded)  # as released: only a private step changes it
+        self._kept = snapshot_state(_kept_tensors(bound_engine.model, self._bounded))  # only a private step changes it
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
@@ -203,14 +214,10 @@ class DPOptimizer:
         forward, say) holds a function of the batch without noise, and the model's ``state_dict`` would release
         it: refused, and put back, so that nothing of the batch stays in the model."""
         current = _kept_tensors(self.bound_engine.model, self._bounded)
-        changed = sorted(name for name in set(current) | set(self._kept)
-                         if name not in current or name not in self._kept
-                         or not _same_values(current[name], self._kept[name]))
+        changed = changed_state(current, self._kept)
         if not changed:
             return
-        with torch.no_grad():
-            for name in set(current) & set(self._kept):
-                current[name].copy_(self._kept[name].to(current[name].device))
+        restore_state_(current, self._kept)
         raise BoundError(f"buffers or frozen parameters of the private model changed since the last private step "
                          f"({', '.join(changed[:4])}): state that a forward or backward updates (a running statistic) "
                          "holds the batch without noise and would be released with the model; it was put back. Only "
@@ -295,7 +302,7 @@ class DPOptimizer:
             else:  # the one-process call, as every PerStepMechanism implements it
                 clip.update_(self.expected_batch_size, self.generator)
         self.plan.account_step(self.accountant)
-        self._kept = _kept_state(self.bound_engine.model, self._bounded)  # as released (a noisy count updates one)
+        self._kept = snapshot_state(_kept_tensors(self.bound_engine.model, self._bounded))  # as released
         self._steps_released += 1
         self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
 
@@ -313,7 +320,7 @@ class DPOptimizer:
         check_nothing_released(self._steps_released, "this private optimizer")
         self.original_optimizer.load_state_dict(state["optimizer"])
         resume_generator(self.generator, state["noise_generator"])
-        self._kept = _kept_state(self.bound_engine.model, self._bounded)  # the resumed model's, loaded before
+        self._kept = snapshot_state(_kept_tensors(self.bound_engine.model, self._bounded))  # the resumed model's
 
     def __repr__(self) -> str:
         return (
