@@ -119,7 +119,7 @@ class DPOptimizer:
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
-        self._kept = snapshot_state(_kept_tensors(bound_engine.model, self._bounded))  # only a private step changes it
+        self._kept = self._snapshot_kept()  # as released: only a private step may change it
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
@@ -208,6 +208,9 @@ class DPOptimizer:
                              "several rows, each with loss weight 1, has several times the certified sensitivity; "
                              "for augmented copies pass augmentation_multiplicity=K to make_private and backpropagate "
                              "the mean over each example's K rows")
+
+    def _snapshot_kept(self) -> Dict[str, torch.Tensor]:
+        return snapshot_state(_kept_tensors(self.bound_engine.model, self._bounded))
 
     def _check_kept_state(self) -> None:
         """A buffer or frozen parameter changed since the last release (a layer's running statistic updated by the
@@ -302,7 +305,7 @@ class DPOptimizer:
             else:  # the one-process call, as every PerStepMechanism implements it
                 clip.update_(self.expected_batch_size, self.generator)
         self.plan.account_step(self.accountant)
-        self._kept = snapshot_state(_kept_tensors(self.bound_engine.model, self._bounded))  # as released
+        self._kept = self._snapshot_kept()  # as released (a noisy count may update a buffer)
         self._steps_released += 1
         self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
 
@@ -320,7 +323,7 @@ class DPOptimizer:
         check_nothing_released(self._steps_released, "this private optimizer")
         self.original_optimizer.load_state_dict(state["optimizer"])
         resume_generator(self.generator, state["noise_generator"])
-        self._kept = snapshot_state(_kept_tensors(self.bound_engine.model, self._bounded))  # the resumed model's
+        self._kept = self._snapshot_kept()  # the resumed model's, loaded before this
 
     def __repr__(self) -> str:
         return (
