@@ -286,5 +286,9 @@ class AuditResult:
 
     def summary_line(self) -> str:
         claimed = "none" if self.epsilon_claimed is None else f"{self.epsilon_claimed:.3f}"
-        return (f"{self.mode} audit: epsilon lower bound {self.epsilon_lower:.3f} at {self.confidence:.0%} confidence "
+        line = (f"{self.mode} audit: epsilon lower bound {self.epsilon_lower:.3f} at {self.confidence:.0%} confidence "
                 f"vs claimed {claimed} (delta {self.delta:g}, {self.trials} trials): {self.verdict}")
+        if self.verdict == "VIOLATION":  # a lower bound at confidence c exceeds the truth in up to 1 - c of audits
+            line += (f" (a correct mechanism shows this in up to {1 - self.confidence:.0%} of audits: rerun with more "
+                     "trials or at a higher confidence to confirm)")
+        return line
