@@ -195,6 +195,124 @@ def test_augmented_copies_with_their_multiplicity_and_sub_batches_are_accepted()
     assert engine.accountant.steps == 2
 
 
+def _repeated(bx, by, slip):
+    """The batch with record 0 repeated in place of others: as many rows as drawn, one record several times."""
+    idx = torch.arange(len(bx))
+    idx[: len(bx) // 2] = 0
+    if slip == "resampled_then_normalized":  # a row-wise transform after the resampling: no row equals a drawn one
+        xs = bx[idx]
+        return 0.5 * xs / xs.norm(dim=1, keepdim=True), by[idx]
+    return bx[idx], by[idx]
+
+
+@pytest.mark.parametrize("slip", ["resampled_by_index", "resampled_then_normalized", "in_two_micro_batches",
+                                  "more_copies_than_the_multiplicity"])
+def test_a_record_repeated_inside_the_batch_refused(slip):
+    """Class balancing by index (``x[idx]``) keeps the row count but weighs a record once per copy: its gradient is
+    that many times the certified per-example bound.  Caught by exact row digests of the forwards' inputs against
+    the drawn batch (a random perturbation of each copy would hide them: the README says so)."""
+    k = 2 if slip == "more_copies_than_the_multiplicity" else 1
+    model, opt, loss, engine, _, loader = _setup_with_loader(augmentation_multiplicity=k)
+    bx, by = next(iter(loader))
+    while len(bx) < 4:  # a Poisson batch (secret sampling): repeats need a few rows
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+        bx, by = next(iter(loader))
+    steps = engine.accountant.steps
+    if slip == "in_two_micro_batches":  # record 0 in both micro-batches, rows as drawn
+        loss.per_example(model(bx[:-1]), by[:-1]).sum().backward()
+        loss.per_example(model(bx[:1]), by[:1]).sum().backward()
+    elif slip == "more_copies_than_the_multiplicity":  # K = 2 rows per example, record 0 in half of the second
+        xs, ys = _repeated(bx, by, "resampled_by_index")
+        per_row = loss.per_example(model(torch.cat([bx, xs])), torch.cat([by, ys]))
+        per_row.view(2, -1).mean(0).sum().backward()
+    else:
+        xs, ys = _repeated(bx, by, slip)
+        loss.per_example(model(xs), ys).sum().backward()
+    message = _refused(opt, engine, "entered the private model's forwards in more rows than K")
+    assert "x[idx]" in message and engine.accountant.steps == steps
+
+
+def _dataset_with_duplicate_records():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(24, *SHAPE, generator=gen)
+    x = x / x.norm(dim=1, keepdim=True)
+    return cl.ArrayDataset(torch.cat([x, x, x]), torch.randint(0, 3, (24,), generator=gen).repeat(3))
+
+
+@pytest.mark.parametrize("how", ["permuted", "normalized", "duplicate_records_in_the_data",
+                                 "duplicate_records_normalized", "identical_augmented_copies"])
+def test_rows_repeated_no_more_than_the_batch_holds_them_are_accepted(how):
+    """A permutation or a row-wise transform of the drawn batch, records the data holds several times (three equal
+    records are three people), and K identical rows per example with augmentation_multiplicity=K all pass."""
+    k = 2 if how == "identical_augmented_copies" else 1
+    if how.startswith("duplicate_records"):
+        torch.manual_seed(0)
+        model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+        loss, engine = cl.TauCrossEntropy(2.0), cl.PrivacyEngine("rdp")
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=_dataset_with_duplicate_records(),
+            loss=loss, noise_multiplier=1.0, input_shape=SHAPE, batch_size=60.0, input_bound=1.0)
+    else:
+        model, opt, loss, engine, _, loader = _setup_with_loader(augmentation_multiplicity=k)
+    for _ in range(3):
+        bx, by = next(iter(loader))
+        opt.zero_grad()
+        if how == "permuted":
+            perm = torch.randperm(len(bx))
+            bx, by = bx[perm], by[perm]
+        elif how in ("normalized", "duplicate_records_normalized"):
+            bx = 0.5 * bx
+        if k == 2:
+            loss.per_example(model(torch.cat([bx, bx])), torch.cat([by, by])).view(2, -1).mean(0).sum().backward()
+        else:
+            loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+    assert engine.accountant.steps == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.uint8, torch.int64, torch.bool])
+def test_row_digests_depend_only_on_a_rows_bytes(dtype):
+    from clipless.privacy.input_guard import row_digests, rows_repeated
+
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.randn(40, 3, 5, generator=gen) * 3).to(dtype)
+    digests = row_digests(rows)
+    assert len(set(digests.tolist())) == len({tuple(r.flatten().tolist()) for r in rows})
+    perm = torch.randperm(40, generator=gen)
+    assert torch.equal(row_digests(rows[perm]), digests[perm])  # position and batch do not matter
+    assert torch.equal(row_digests(torch.cat([rows[5:9], rows])[4:]), digests)
+    assert not rows_repeated(row_digests(rows[perm]), [digests], 1)
+    repeated = rows.clone()
+    repeated[1] = repeated[0]
+    unique_rows = len({tuple(r.flatten().tolist()) for r in rows}) == 40
+    assert rows_repeated(row_digests(repeated), [digests], 1) == unique_rows
+    assert not rows_repeated(row_digests(torch.cat([rows, rows])), [digests], 2)
+    assert rows_repeated(row_digests(torch.cat([rows, rows, rows[:1]])), [digests], 2)
+
+
+@pytest.mark.parametrize("penalty", ["jacobian_of_another_forward", "input_gradient_of_another_forward",
+                                     "input_gradient_of_the_same_forward"])
+def test_second_derivative_penalties_refused(penalty):
+    """A Jacobian or input-gradient penalty (``torch.autograd.grad(..., create_graph=True)``) sends the weights
+    second derivatives of the model, which no certified bound covers; a small coefficient keeps the summed
+    gradient under the sum check, so each path must be refused by what it is."""
+    model, opt, loss, engine, x, y = _setup()
+    x2 = x.clone().requires_grad_(True)
+    out = model(x2)
+    if penalty == "jacobian_of_another_forward":
+        (gx,) = torch.autograd.grad(out.sum(), x2, create_graph=True)
+        total = loss.per_example(model(x), y).sum() + 1e-3 * gx.pow(2).sum()
+    else:
+        value = loss.per_example(out, y).sum()
+        (gx,) = torch.autograd.grad(value, x2, create_graph=True)
+        total = (value if penalty.endswith("same_forward") else loss.per_example(model(x), y).sum()) \
+            + 1e-3 * gx.pow(2).sum()
+    total.backward()
+    _refused(opt, engine, "backward of an earlier backward of the model|forward backpropagated twice")
+
+
 def test_a_saved_state_cannot_roll_back_released_steps():
     """Before, opt.load_state_dict(state saved before a step) rewound the noise stream: the next step drew the
     first step's noise again (its release correlated 0.98 with the first one)."""

@@ -18,6 +18,10 @@ step only if every accumulation since the last step came from a backward that
   that goes through it; inside the forward they enter through a gate, and each weight's incoming
   gradient must equal what its gates sent (a custom ``torch.autograd.Function``, whose ``apply``
   reports no operation, is caught there) and be accumulated unchanged (a hook on the weight);
+* reached each weight's gates only in a backward that went through that forward's output (a gate reached
+  otherwise carries a second derivative of the model: an input-gradient or Jacobian penalty);
+* repeated no row of the drawn batch more often than the batch holds it, times ``K`` (exact row digests of
+  the forwards' inputs against the loader's batch, checked by the optimizer: :func:`rows_repeated`);
 * went through no hook that could change the forward's values or the backward: module hooks (the
   model's or global ones) and saved-tensor hooks active during the forward (except torch's
   value-preserving ``save_on_cpu`` and ``allow_mutation_on_saved_tensors``), and hooks on the
@@ -39,6 +43,7 @@ import contextlib
 import functools
 import importlib
 import math
+import os
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -51,7 +56,7 @@ from .certified import BoundError
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
-           "check_precision"]
+           "check_precision", "row_digests", "batch_row_digests", "rows_repeated"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -68,6 +73,61 @@ _VALUE_PRESERVING = {
      ("torch.autograd.graph", "_swap_with_cloned.__init__.<locals>.unpack_hook")),
 }
 _RECORD_ATTR = "_clipless_forward"
+# Integer views of each element size, for digests of a row's bytes.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DIGEST_WEIGHTS: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
+def row_digests(x: torch.Tensor) -> torch.Tensor:
+    """One int64 per row of ``x`` that depends only on the row's bytes: ``sum_j w_j b_j`` mod ``2^64`` over the
+    row's elements read as integers, with weights ``w`` drawn once per process.  Equal rows have equal digests
+    in any position or batch (integer sums do not depend on their order); distinct rows collide with
+    probability about ``2^-64`` per pair unless the weights are known."""
+    x = x.detach()
+    n = int(x.shape[0]) if x.dim() else 0
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=x.device)
+    flat = x.contiguous().reshape(n, -1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    elif flat.element_size() in _BITS and not flat.is_complex():
+        flat = flat.view(_BITS[flat.element_size()])
+    else:
+        flat = torch.view_as_real(flat).reshape(n, -1) if flat.is_complex() else flat.double()
+        flat = flat.view(torch.int64)
+    key = (flat.shape[1], str(flat.device))
+    weights = _DIGEST_WEIGHTS.get(key)
+    if weights is None:
+        generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+        weights = torch.randint(-2**62, 2**62, (flat.shape[1],), dtype=torch.int64, generator=generator)
+        weights = _DIGEST_WEIGHTS[key] = weights.to(flat.device)
+    return (flat.to(torch.int64) * weights).sum(1)  # wraps modulo 2^64
+
+
+def batch_row_digests(batch: Any) -> List[Tuple[Tuple[int, ...], torch.Tensor]]:
+    """``(per-row shape, row_digests)`` of each tensor of a (nested) batch with a leading batch dimension."""
+    return [(tuple(leaf.shape[1:]), row_digests(leaf)) for leaf in tree_leaves(batch)
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and not leaf.is_sparse]
+
+
+def rows_repeated(inputs: torch.Tensor, references: Sequence[torch.Tensor], k: int) -> bool:
+    """Whether some row entered the forwards (``inputs``: their row digests) in more copies than ``k`` times
+    the drawn batch holds it.  A row equal to a row of a reference tensor of the batch may appear ``k`` times
+    its count there; any other row (a transformed one: normalized, augmented) ``k`` times the largest count of
+    one row in the batch, since a row-wise function of the batch repeats a row no more often than the batch
+    does unless it maps distinct records to the same row."""
+    if inputs.numel() == 0:
+        return False
+    values, counts = torch.unique(inputs, return_counts=True)
+    merged = [torch.unique(ref, return_counts=True) for ref in references if ref.numel()]
+    largest = max((int(c.max()) for _, c in merged), default=1)
+    matched = torch.zeros_like(counts)  # k times the row's largest count in a reference tensor, 0 if in none
+    for known, known_counts in merged:
+        where = torch.searchsorted(known, values).clamp_max(len(known) - 1)
+        hit = known[where] == values
+        matched = torch.where(hit, torch.maximum(matched, k * known_counts[where]), matched)
+    allowed = torch.where(matched > 0, matched, torch.full_like(counts, k * largest))
+    return bool((counts > allowed).any())
 
 
 def largest_norm(x: torch.Tensor, bound: float) -> float:
@@ -217,11 +277,14 @@ class InputGuard(_Guard):
 class _ForwardRecord:
     """One gradient-recording forward of the private model, until its backward reaches the output."""
 
-    __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked")
+    __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked", "digests", "task")
 
-    def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str]) -> None:
+    def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str],
+                 digests: Optional[torch.Tensor]) -> None:
         self.guard, self.epoch, self.snapshot = guard, epoch, snapshot
         self.hooked = hooked  # why the forward may not compute what the bounds describe (hooks), or None
+        self.digests = digests  # row_digests of the forward's input
+        self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
         self.losses: List[Any] = []  # the clipless losses applied to this output
         self.backpropagated = False
@@ -388,6 +451,8 @@ class StepGuard:
         self._by_id = {id(p): p for p in self._watched}
         self._modules = list(model.modules())
         self._hooked_at_entry: Optional[str] = None
+        self._entry_digests: Optional[torch.Tensor] = None
+        self._forward: List[_ForwardRecord] = []
         param_names = {id(p): n for n, p in model.named_parameters()}
         for p in self._watched:
             hook = functools.partial(self._weight_grad, id(p), param_names.get(id(p), "?"))
@@ -406,6 +471,7 @@ class StepGuard:
         self._accumulations: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (its grad, grad version)
         # backward -> (sum over its rows of ||output gradient|| / L, rows with a nonzero output gradient, rows)
         self._mass: Dict[int, Tuple[float, int, int]] = {}
+        self._digests: Dict[int, List[torch.Tensor]] = {}  # backward -> row digests of the inputs of its forwards
         self._violation: Optional[str] = None
 
     def remove(self) -> None:
@@ -427,9 +493,12 @@ class StepGuard:
             self._paused -= 1
 
     # -- forward -------------------------------------------------------------
-    def _enter(self) -> None:
+    def _enter(self, x: Any) -> None:
         self._inside = True
         self._gates = {}
+        self._forward: List[_ForwardRecord] = []  # this forward's record, once made: its gates check against it
+        recording = not self._paused and torch.is_grad_enabled() and isinstance(x, torch.Tensor)
+        self._entry_digests = row_digests(x) if recording else None
         # hooks act from the forward on (a module's backward hooks are wired in at its call): one look, at entry
         self._hooked_at_entry = None if self._paused else self._hooked()
 
@@ -449,7 +518,8 @@ class StepGuard:
         """``weight`` as the model's forward uses it: one gate per weight and forward (see :meth:`_weight_grad`)."""
         gated = self._gates.get(id(weight))
         if gated is None:
-            gated = self._gates[id(weight)] = _Tap.apply(weight, functools.partial(self._through_model, id(weight)))
+            gated = self._gates[id(weight)] = _Tap.apply(
+                weight, functools.partial(self._through_model, id(weight), self._forward))
         return gated
 
     def _leave(self, output: Any) -> Optional[torch.Tensor]:
@@ -462,7 +532,8 @@ class StepGuard:
             return None
         if self._snapshot is None or self._weights_differ(self._snapshot):
             self._snapshot = [p.detach().clone() for p in self.params]
-        record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry)
+        record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry, self._entry_digests)
+        self._forward.append(record)
         gated = _Tap.apply(output, functools.partial(self._output_grad, record))  # after the output's own hooks
         setattr(gated, _RECORD_ATTR, record)
         return gated
@@ -504,6 +575,7 @@ class StepGuard:
         loss_grad, record.loss_grad = record.loss_grad, None
         losses, record.losses = record.losses, []
         twice, record.backpropagated = record.backpropagated, True
+        record.task = _task()
         lipschitz = self.loss_lipschitz()
         norms = torch.linalg.vector_norm(grad.detach().flatten(1).double(), dim=1)  # each example's loss gradient
         largest = float(norms.max()) if norms.numel() else 0.0
@@ -536,6 +608,8 @@ class StepGuard:
             mass, nonzero, rows = self._mass.get(_task(), (0.0, 0, 0))
             self._mass[_task()] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
                                    rows + int(norms.numel()))
+            if record.digests is not None:
+                self._digests.setdefault(_task(), []).append(record.digests)
             return
         self._problem(why)
 
@@ -550,8 +624,14 @@ class StepGuard:
                       "privacy analysis; use the weights only through the model (a weight penalty: the optimizer's "
                       "weight_decay)")
 
-    def _through_model(self, key: int, grad: torch.Tensor) -> None:
+    def _through_model(self, key: int, forward: List[_ForwardRecord], grad: torch.Tensor) -> None:
         task = _task()
+        if not forward or forward[0].task != task:
+            # The output is reached first in a backward through it; a gate reached in a backward that never went
+            # through this forward's output is a derivative of the model's own backward (create_graph=True).
+            self._problem("a weight's gradient came through the backward of an earlier backward of the model (an "
+                          "input-gradient or Jacobian penalty, torch.autograd.grad(..., create_graph=True)): no "
+                          "bound covers such second derivatives; train on the clipless loss alone")
         if task != self._through_task:  # a new backward: what earlier ones sent is checked or was not accumulated
             self._through_task, self._through = task, {}
         self._through.setdefault(key, []).append((grad, grad._version))
@@ -647,6 +727,11 @@ class StepGuard:
         """Rows of the private model's output whose backward this step releases (micro-batches summed)."""
         return sum(self._mass.get(task, (0.0, 0, 0))[2] for task in self._released)
 
+    def released_digests(self) -> torch.Tensor:
+        """Row digests of the inputs of the forwards whose backward this step releases (micro-batches joined)."""
+        parts = [d for task in self._released for d in self._digests.get(task, [])]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
     def finish_step(self, params: Sequence[torch.Tensor]) -> None:
         """After a released step: clear the gradients and start the next step."""
         for p in params:
@@ -665,7 +750,7 @@ class _Hook(_Guard):
 
 class _ModelEnter(_Hook):
     def __call__(self, module: nn.Module, args: Any) -> None:
-        self.guard._enter()
+        self.guard._enter(args[0] if args else None)
 
 
 class _ModelLeave(_Hook):

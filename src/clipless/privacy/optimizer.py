@@ -22,7 +22,7 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import StepGuard, unwatched
+from .input_guard import StepGuard, rows_repeated, unwatched
 from .modules import step_mechanisms
 from .noise import add_noise_
 from .randomness import resume_generator, saved_generator_state, secret_generator
@@ -208,6 +208,15 @@ class DPOptimizer:
                              "several rows, each with loss weight 1, has several times the certified sensitivity; "
                              "for augmented copies pass augmentation_multiplicity=K to make_private and backpropagate "
                              "the mean over each example's K rows")
+        shape = self.bound_engine.input_shape
+        references = [d for row_shape, d in loader.last_batch_digests if row_shape == shape]
+        if rows_repeated(self.guard.released_digests(), references, k):
+            raise BoundError(f"a record of the batch entered the private model's forwards in more rows than K = {k} "
+                             "times the batch drawn from the private loader holds it (rows repeated inside the "
+                             "batch: resampling or class balancing by index, x[idx]): each copy at full weight "
+                             "multiplies its certified sensitivity; use each drawn record once (weight classes "
+                             "through the data, not by repeating rows), or for augmented copies pass "
+                             "augmentation_multiplicity=K and backpropagate the mean over each example's K rows")
 
     def _snapshot_kept(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_kept_tensors(self.bound_engine.model, self._bounded))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
+from .input_guard import batch_row_digests
 from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
@@ -170,12 +171,16 @@ class PoissonDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.batches_drawn = 0
         self.last_batch_rows: Optional[int] = None  # records in the batch handed out last (None: not a tensor batch)
+        # (per-row shape, row_digests) of each tensor of that batch: the private step checks that no record
+        # entered its forwards in more rows than the batch holds it
+        self.last_batch_digests: List[Tuple[Tuple[int, ...], torch.Tensor]] = []
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for batch in super().__iter__():
             # counted when handed to the caller, not when the sampler runs (workers prefetch ahead)
             self.batches_drawn += 1
             self.last_batch_rows = _rows(batch)
+            self.last_batch_digests = batch_row_digests(batch)
             yield batch
 
 
