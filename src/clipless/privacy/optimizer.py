@@ -216,7 +216,9 @@ class DPOptimizer:
                              "batch: resampling or class balancing by index, x[idx]): each copy at full weight "
                              "multiplies its certified sensitivity; use each drawn record once (weight classes "
                              "through the data, not by repeating rows), or for augmented copies pass "
-                             "augmentation_multiplicity=K and backpropagate the mean over each example's K rows")
+                             "augmentation_multiplicity=K and backpropagate the mean over each example's K rows (a "
+                             "transform in the loop that maps distinct records to equal rows, such as rounding, "
+                             "looks the same: apply it in the Dataset)")
 
     def _snapshot_kept(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_kept_tensors(self.bound_engine.model, self._bounded))
