@@ -272,12 +272,13 @@ def test_rows_repeated_no_more_than_the_batch_holds_them_are_accepted(how):
     assert engine.accountant.steps == 3
 
 
+@pytest.mark.parametrize("shape", [(3, 5), (3, 40, 40)])  # short rows: 32-bit words; long ones: 16-bit words
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.uint8, torch.int64, torch.bool])
-def test_row_digests_depend_only_on_a_rows_bytes(dtype):
+def test_row_digests_depend_only_on_a_rows_bytes(dtype, shape):
     from clipless.privacy.input_guard import row_digests, rows_repeated
 
     gen = torch.Generator().manual_seed(3)
-    rows = (torch.randn(40, 3, 5, generator=gen) * 3).to(dtype)
+    rows = (torch.randn(40, *shape, generator=gen) * 3).to(dtype)
     digests = row_digests(rows)
     assert len(set(digests.tolist())) == len({tuple(r.flatten().tolist()) for r in rows})
     perm = torch.randperm(40, generator=gen)
@@ -290,6 +291,24 @@ def test_row_digests_depend_only_on_a_rows_bytes(dtype):
     assert rows_repeated(row_digests(repeated), [digests], 1) == unique_rows
     assert not rows_repeated(row_digests(torch.cat([rows, rows])), [digests], 2)
     assert rows_repeated(row_digests(torch.cat([rows, rows, rows[:1]])), [digests], 2)
+    edited = rows.clone()
+    before = row_digests(edited)
+    edited[0] = edited[1]  # in place: a digest kept for the tensor must not be reused
+    assert row_digests(edited)[0] == before[1]
+
+
+def test_row_digests_are_exact_integer_sums():
+    """Each form is a float64 product whose partial sums stay below 2^52: the digest of a row does not depend on
+    the batch, its position or the summation order (rows with large, negative and subnormal values)."""
+    from clipless.privacy.input_guard import row_digests
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(300, 3000, generator=gen) * torch.tensor([1e-40, 1.0, 3e38]).repeat(1000)
+    x[:, ::7] *= -1
+    digests = row_digests(x)
+    one_by_one = torch.stack([row_digests(x[i:i + 1].clone())[0] for i in range(0, 300, 37)])
+    assert torch.equal(one_by_one, digests[::37])
+    assert len(set(digests.tolist())) == 300
 
 
 @pytest.mark.parametrize("penalty", ["jacobian_of_another_forward", "input_gradient_of_another_forward",
