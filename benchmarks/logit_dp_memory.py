@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=None,
-                        help="examples per conv Jacobian chunk (default: clipless.contrastive.logit_dp.CHUNK)")
+                        help="examples per conv Jacobian chunk (default: chosen by the activation size, between "
+                        "clipless.contrastive.logit_dp.CHUNK and MAX_CHUNK)")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
                         help="C allocator settings of the workers (module doc)")
     parser.add_argument("--out", default="results/logit_dp_memory.json")
@@ -86,7 +87,7 @@ def main() -> None:
     if args.chunk is not None:
         from clipless.contrastive import logit_dp
 
-        logit_dp.CHUNK = args.chunk
+        logit_dp.CHUNK = logit_dp.MAX_CHUNK = args.chunk
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.repeats, args.hidden, args.embedding_dim, args.encoder,
                args.channels, args.allocator, args.input_pool)

@@ -294,6 +294,24 @@ def test_a_streamed_conv_jacobian_gives_the_terms_of_the_whole_block(chunk: int)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("channels,pool,expected", [((16, 32), 1, "CHUNK"), ((8, 16), 1, 32), ((8, 16), 2, "MAX_CHUNK")])
+def test_the_conv_jacobian_chunk_follows_the_activation_size(channels, pool, expected) -> None:
+    """A chunk's d-fold activations stay near CHUNK_ELEMENTS: the CLI's encoder keeps 16 examples, smaller
+    activations take more (up to MAX_CHUNK); the pair norms do not depend on it."""
+    from clipless.contrastive import logit_dp as ld
+    from clipless.contrastive.pretrain import build_encoder
+
+    torch.manual_seed(0)
+    enc = build_encoder("cnn", (1, 28, 28), 32, hidden=[], channels=list(channels), input_pool=pool)
+    x = torch.rand(3, 1, 28, 28)
+    chunk = ld._layer_factors(enc, x, None)[3].chunk
+    assert chunk == (getattr(ld, expected) if isinstance(expected, str) else expected)
+    if pool == 2:  # in float64: float32 pair norms that nearly cancel differ by rounding between blockings
+        enc, x, xb = enc.double(), x.double(), torch.rand(3, 1, 28, 28, dtype=torch.float64)
+        torch.testing.assert_close(pair_gradient_norms(enc, x, xb), pair_gradient_norms(enc, x, xb, chunk=1),
+                                   rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("pool", [nn.AvgPool2d(2), nn.AvgPool2d((2, 3)), nn.AvgPool2d(3), nn.AvgPool2d(3, stride=2),
                                   nn.AvgPool2d(2, padding=1), nn.AvgPool2d(2, ceil_mode=True),
                                   nn.AvgPool2d(2, count_include_pad=False), nn.AvgPool2d(2, divisor_override=3)])

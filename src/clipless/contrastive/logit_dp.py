@@ -187,7 +187,7 @@ def _factored_path_applies(encoder: nn.Module) -> bool:
     return True
 
 
-def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: int) -> Optional[Tuple[torch.Tensor, ...]]:
+def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: Optional[int]) -> Optional[Tuple[torch.Tensor, ...]]:
     """Normalized embeddings ``u``, their norms ``r = ||e||`` before normalization, per ``nn.Linear`` a factor:
 
     - ``("tail", h, has_bias, m, R)`` when the layer's output ``z`` reaches the embedding ``e`` through
@@ -211,13 +211,18 @@ def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: int) -> Optional[
     # The order in which the leaves run (a module may be called more than once): with only Sequential
     # containers and one-input layers, this sequence is the whole graph.
     calls: List[nn.Module] = []
+    largest = [1]  # values of one example's largest layer input: sets the conv Jacobian's chunk
 
     def hook(module: nn.Module, args: Tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
         records[id(module)].append((args[0].detach().clone(), args[0], out))
         return out.clone()
 
+    def called(module: nn.Module, args: Tuple[torch.Tensor, ...]) -> None:
+        calls.append(module)
+        largest[0] = max(largest[0], args[0][0].numel() if args[0].dim() and args[0].shape[0] else 1)
+
     handles = [m.register_forward_hook(hook) for m in linears]
-    handles += [m.register_forward_pre_hook(lambda module, args: calls.append(module)) for m in leaves]
+    handles += [m.register_forward_pre_hook(called) for m in leaves]
     try:
         with torch.enable_grad():
             e = encoder(x)
@@ -275,9 +280,11 @@ def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: int) -> Optional[
     if not others:
         jac = None
     elif all(_plain_conv2d(m) for m in holders):
+        if chunk is None:
+            chunk = min(MAX_CHUNK, max(CHUNK, CHUNK_ELEMENTS // (u.shape[1] * largest[0])))
         jac = _LazyConvJacobian(encoder, holders, x, chunk)
     else:
-        jac = _jacobian(encoder, x, chunk, others, u.dtype)
+        jac = _jacobian(encoder, x, chunk or CHUNK, others, u.dtype)
     return u.detach(), r, factors, jac
 
 
@@ -290,8 +297,13 @@ def _plain_conv2d(m: nn.Module) -> bool:
 # Examples whose d cotangents are carried back together when forming a conv Jacobian block, and whose rows of the
 # second view's block are formed at once for the cross term.  Measured on the CLI's CNN encoder at n = 1024
 # (benchmarks/logit_dp_memory.py --chunk N): 16 took 18-19 s and 837 MB, 64 took 22-23 s and 1139 MB (16 x d rows of
-# conv activations at 16 x 28 x 28 are 26 MB per module and stay in cache longer).
+# conv activations at 16 x 28 x 28 are 26 MB per module and stay in cache longer).  Smaller activations take more
+# examples at once (fewer, larger products): a chunk's d-fold activations are kept near CHUNK_ELEMENTS values,
+# between CHUNK and MAX_CHUNK examples.  The bounded step of Conv 8-16 at batch 1024 went from 1.96-2.38 s (16) to
+# 1.15-1.42 s (64) with 2 x 2 input pooling, and from 4.06-4.58 to 3.26-3.96 s (32) without.
 CHUNK = 16
+MAX_CHUNK = 64
+CHUNK_ELEMENTS = 16 * 32 * 16 * 28 * 28
 
 
 class _LazyConvJacobian:
@@ -695,7 +707,7 @@ def pair_gradient_norms(
     xb: torch.Tensor,
     method: str = "auto",
     block: int = 256,
-    chunk: int = CHUNK,
+    chunk: Optional[int] = None,
     cross_term: str = "exact",
 ) -> torch.Tensor:
     """``||grad_w cos(Phi(xa_i), Phi(xb_j))||`` for all ``i, j`` (``(n, n)``, float64), from Gram blocks.
@@ -742,8 +754,8 @@ def _check_pairs(xa: torch.Tensor, xb: torch.Tensor, method: str, cross_term: st
                              "clean the data")
 
 
-def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: str, block: int, chunk: int,
-                cross_term: str = "exact"):
+def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: str, block: int,
+                chunk: Optional[int], cross_term: str = "exact"):
     _check_per_example(encoder)
     _check_pairs(xa, xb, method, cross_term)
     if method in ("auto", "factored"):
@@ -758,13 +770,13 @@ def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: 
     return _jacobian_terms_all_parameters(encoder, xa, xb, chunk, cross_term)
 
 
-def _jacobian_terms_all_parameters(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, chunk: int,
+def _jacobian_terms_all_parameters(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, chunk: Optional[int],
                                    cross_term: str = "exact"):
     """``A + 2C + B`` and its rounding bound from the float64 Jacobians of all parameters (any encoder)."""
     with torch.no_grad():
         u = normalized_embedding(encoder, xa).double()
         v = normalized_embedding(encoder, xb).double()
-    ja, jb = _jacobian(encoder, xa, chunk), _jacobian(encoder, xb, chunk)
+    ja, jb = _jacobian(encoder, xa, chunk or CHUNK), _jacobian(encoder, xb, chunk or CHUNK)
     total, trace_a, trace_b, length = _jacobian_terms(ja, jb, u, v, cross_term=cross_term)
     return total, _rounding_margin(length, total.dtype) * (trace_a[:, None] + trace_b[None, :]), u, v
 
@@ -846,7 +858,7 @@ def clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_no
 def _clip_factors(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, clip_norm: float, method: str,
                   block: int, cross_term: str = "exact") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`clip_factors` and the normalized embeddings ``u``, ``v`` whose pair norms they clip."""
-    squared, slack, u, v = _gram_terms(encoder, xa, xb, method, block, CHUNK, cross_term)
+    squared, slack, u, v = _gram_terms(encoder, xa, xb, method, block, None, cross_term)
     norms = (squared.double() + slack.double()).clamp_min(0.0).sqrt()
     return torch.clamp(clip_norm / norms.clamp_min(1e-300), max=1.0), u, v
 
