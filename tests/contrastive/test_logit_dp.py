@@ -294,7 +294,8 @@ def test_a_streamed_conv_jacobian_gives_the_terms_of_the_whole_block(chunk: int)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("channels,pool,expected", [((16, 32), 1, "CHUNK"), ((8, 16), 1, 32), ((8, 16), 2, "MAX_CHUNK")])
+@pytest.mark.parametrize("channels,pool,expected",
+                         [((16, 32), 1, "CHUNK"), ((8, 16), 1, 32), ((8, 16), 2, "MAX_CHUNK")])
 def test_the_conv_jacobian_chunk_follows_the_activation_size(channels, pool, expected) -> None:
     """A chunk's d-fold activations stay near CHUNK_ELEMENTS: the CLI's encoder keeps 16 examples, smaller
     activations take more (up to MAX_CHUNK); the pair norms do not depend on it."""
