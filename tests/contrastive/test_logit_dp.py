@@ -294,6 +294,43 @@ def test_a_streamed_conv_jacobian_gives_the_terms_of_the_whole_block(chunk: int)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("tail", ["relu_pool", "pool_with_padding_then_inplace_relu", "gelu_then_ceil_pool_no_bias",
+                                  "elu_then_flatten", "wide_patches_not_folded"])
+def test_the_first_convs_rows_carried_forward_equal_the_backward_path(tail: str) -> None:
+    """Below the first convolution nothing needs the cotangents, so its rows come from its patches carried forward
+    through the channelwise layers after it (activations, average pooling) when the patch is shorter than d:
+    the same rows as the d-fold backward, in float64 to 1e-14."""
+    from clipless.contrastive import logit_dp as ld
+
+    torch.manual_seed(0)
+    in_ch, head = 1, 12
+    first = {"relu_pool": [nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2)],
+             "pool_with_padding_then_inplace_relu": [nn.Conv2d(1, 3, 3, padding=1),
+                                                     nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False),
+                                                     nn.ReLU(inplace=True)],
+             "gelu_then_ceil_pool_no_bias": [nn.Conv2d(1, 3, 3, padding=1, bias=False), nn.GELU(),
+                                             nn.AvgPool2d(3, ceil_mode=True, divisor_override=4)],
+             "elu_then_flatten": [nn.Conv2d(1, 3, 3, padding=1), nn.ELU()],
+             "wide_patches_not_folded": [nn.Conv2d(1, 3, 4, padding=1), nn.ReLU()]}[tail]
+    if tail == "wide_patches_not_folded":
+        head = 16  # 4 x 4 + 1 >= d
+    enc = nn.Sequential(*first, nn.Conv2d(3, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.LazyLinear(head)).double()
+    x = torch.rand(5, in_ch, 8, 8, dtype=torch.float64)
+    enc(x)
+    convs = [m for m in enc if isinstance(m, nn.Conv2d)]
+    calls = [(m, None) for m in enc]
+    folded = ld._foldable_after([(m, x[:, :1].expand(5, 3, 8, 8)) for m, _ in calls], 0, head)
+    assert (len(folded) > 0) == (tail != "wide_patches_not_folded")
+    got = ld._conv_jacobian(enc, convs, x, 2)
+    original = ld._foldable_after
+    try:
+        ld._foldable_after = lambda calls, first, d: []
+        want = ld._conv_jacobian(enc, convs, x, 2)
+    finally:
+        ld._foldable_after = original
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("channels,pool,expected",
                          [((16, 32), 1, "CHUNK"), ((8, 16), 1, 32), ((8, 16), 2, "MAX_CHUNK")])
 def test_the_conv_jacobian_chunk_follows_the_activation_size(channels, pool, expected) -> None:
@@ -321,7 +358,8 @@ def test_batched_pooling_vjp_equals_autograd(pool: nn.Module, dtype: torch.dtype
     """The conv Jacobian carries chunk x d cotangents back through average pooling with one pooling backward for
     all of them: it equals autograd's vector-Jacobian products of the repeated input, bit for bit, for disjoint,
     overlapping, padded, ceil-mode and custom-divisor windows, on inputs that the windows tile or not; disjoint
-    windows by 0/1 matrix products, and by the pooling backward where matrix products may not be IEEE."""
+    windows that tile the input by 0/1 matrix products, the others (and where matrix products may not be IEEE) by
+    the pooling backward."""
     from clipless.contrastive import logit_dp as ld
 
     tiled = []
@@ -338,7 +376,9 @@ def test_batched_pooling_vjp_equals_autograd(pool: nn.Module, dtype: torch.dtype
             expected = torch.autograd.grad(pool(leaf), leaf, g)[0]
             assert torch.equal(ld._batched_vjp(pool, h, g), expected)
     disjoint = pool.kernel_size == (pool.stride or pool.kernel_size) and pool.padding == 0 and not pool.ceil_mode
-    assert len(tiled) == (2 if disjoint else 0)  # the tiled form where it applies, only with IEEE products
+    size = torch.nn.modules.utils._pair(pool.kernel_size)
+    tiling = sum(1 for hh, ww in ((12, 12), (7, 9)) if hh % size[0] == 0 and ww % size[1] == 0)
+    assert len(tiled) == (tiling if disjoint else 0)  # the tiled form where windows tile the input, IEEE products
 
 
 def test_unknown_layers_refuse_the_factored_path() -> None:
