@@ -474,6 +474,9 @@ class StepGuard:
         self._hooked_at_entry: Optional[str] = None
         self._entry_digests: Optional[torch.Tensor] = None
         self._forward: List[_ForwardRecord] = []
+        # Row digests of the forwards' inputs are read only by the optimizer's check against a watched loader's
+        # batch (DPOptimizer.watch_batches turns them on): without one they would be computed for nothing.
+        self.digest_inputs = False
         param_names = {id(p): n for n, p in model.named_parameters()}
         for p in self._watched:
             hook = functools.partial(self._weight_grad, id(p), param_names.get(id(p), "?"))
@@ -518,7 +521,8 @@ class StepGuard:
         self._inside = True
         self._gates = {}
         self._forward: List[_ForwardRecord] = []  # this forward's record, once made: its gates check against it
-        recording = not self._paused and torch.is_grad_enabled() and isinstance(x, torch.Tensor)
+        recording = (self.digest_inputs and not self._paused and torch.is_grad_enabled()
+                     and isinstance(x, torch.Tensor))
         self._entry_digests = row_digests(x) if recording else None
         # hooks act from the forward on (a module's backward hooks are wired in at its call): one look, at entry
         self._hooked_at_entry = None if self._paused else self._hooked()

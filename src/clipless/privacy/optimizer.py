@@ -168,6 +168,7 @@ class DPOptimizer:
         self._batches = loader
         self._batches_released = loader.batches_drawn
         self._external_batches = bool(external_batches)
+        self.guard.digest_inputs = True  # the rows of its batches are checked against the forwards' inputs
 
     def _loader_in_use(self) -> Optional[PoissonDataLoader]:
         """The watched loader once the loop has drawn from it (None before: see :meth:`_check_one_new_batch`)."""
@@ -195,7 +196,8 @@ class DPOptimizer:
 
     def _check_rows(self) -> None:
         """More output rows than the drawn batch holds (times K) means some example was used twice: a row
-        duplicated or an augmented copy added without ``augmentation_multiplicity``, each at full weight."""
+        duplicated or an augmented copy added without ``augmentation_multiplicity``, each at full weight; so does
+        a drawn row repeated in the forwards' inputs more often than the batch holds it (:func:`rows_repeated`)."""
         loader = self._loader_in_use()
         drawn = None if loader is None else loader.last_batch_rows
         if drawn is None:
