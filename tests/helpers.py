@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Callable, Dict, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -13,6 +15,7 @@ from clipless.nn.linear import LipschitzLinear
 from clipless.nn.losses import TauCrossEntropy
 from clipless.privacy.modules import LipschitzLoss
 from clipless.diagnostics.tightness import per_example_gradient_norms
+from clipless.data.datasets import write_idx
 
 TOL = 1e-5  # float32 forward/backward rounding
 
@@ -174,3 +177,15 @@ def per_example_grads(model, loss, x, y):
     rows = [torch.autograd.grad(loss.per_example(model(x[i : i + 1]), y[i : i + 1]).sum(), params)
             for i in range(x.shape[0])]
     return [torch.stack([row[j] for row in rows]) for j in range(len(params))]
+
+
+def write_fake_mnist(directory: Path, labels_max: int = 9, train: int = 40, test: int = 20) -> Path:
+    """An MNIST directory (the four IDX files) of random images: what ``--dataset mnist --data-dir`` reads."""
+    directory.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", train), ("t10k", test)):
+        write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        labels = rng.integers(0, 10, n)
+        labels[0] = labels_max
+        write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    return directory

@@ -18,7 +18,7 @@ import yaml
 
 from clipless.kl import noisy_gd as klp
 from clipless.cli import main
-from clipless.data.datasets import write_idx
+from helpers import write_fake_mnist
 
 FAST = ["--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant", "rdp"]
 
@@ -103,25 +103,14 @@ def test_yaml_flag_spelling_and_pyyaml_float_strings_accepted(tmp_path):
 
 
 # -- data ------------------------------------------------------------------------------------------------------
-def _fake_mnist(directory: Path, labels_max: int = 9) -> Path:
-    directory.mkdir()
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 40), ("t10k", 20)):
-        write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
-        labels = rng.integers(0, 10, n)
-        labels[0] = labels_max
-        write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
-    return directory
-
-
 def test_mnist_labels_outside_0_to_9_refused(tmp_path):
-    data = _fake_mnist(tmp_path / "mnist", labels_max=200)
+    data = write_fake_mnist(tmp_path / "mnist", labels_max=200)
     _refused(["train", "--dataset", "mnist", "--data-dir", str(data), *FAST, "--output-dir", str(tmp_path / "o")],
              r"train-labels-idx1-ubyte.gz holds labels outside 0-9 \(e.g. 200\)")
 
 
 def test_truncated_mnist_file_named(tmp_path):
-    data = _fake_mnist(tmp_path / "mnist")
+    data = write_fake_mnist(tmp_path / "mnist")
     target = data / "train-images-idx3-ubyte.gz"
     target.write_bytes(target.read_bytes()[:200])
     _refused(["train", "--dataset", "mnist", "--data-dir", str(data), *FAST, "--output-dir", str(tmp_path / "o")],
