@@ -269,8 +269,8 @@ def _aim(points: List[Tuple[float, float]]) -> float:
 def _smallest_feasible(epsilon_at: Callable[[float], float], target: float, lo: float, hi: float, e_lo: float,
                        e_hi: float, tol: float, floor: float = 0.0) -> float:
     """Smallest ``x`` in ``[lo, hi]`` (to ``tol`` relative) with ``epsilon_at(x) <= target``, for an epsilon that
-    falls as ``x`` grows; ``e_lo = epsilon_at(lo) > target >= e_hi = epsilon_at(hi)`` (``e_lo`` may be infinite),
-    and ``epsilon_at`` infinite below ``floor``.
+    falls as ``x`` grows; ``e_lo = epsilon_at(lo) > target >= e_hi = epsilon_at(hi)`` (``e_lo`` may be infinite).
+    Below ``floor`` nothing is feasible, and ``epsilon_at`` is not asked there.
 
     The bracket keeps an infeasible ``lo`` and a feasible ``hi``, and the answer is ``hi``: feasible by evaluation.
     A round aims at the target by inverse interpolation of ``log sigma`` against ``log epsilon`` (smooth and
@@ -287,8 +287,8 @@ def _smallest_feasible(epsilon_at: Callable[[float], float], target: float, lo: 
             aim = _aim(points)
             if math.isfinite(aim):  # kept inside the bracket in log space: no overflow, whatever the line
                 aim = math.exp(min(max(aim, math.log(lo + 0.02 * width)), math.log(hi - 0.02 * width)))
-                if aim * (1 - tol / 4) < floor < hi:
-                    probes = [floor] if lo < floor else probes
+                if lo < floor < hi and aim * (1 - tol / 4) < floor:
+                    probes = [floor]
                 elif len(points) >= 3:
                     probes = [aim * (1 + tol / 4), aim * (1 - tol / 4)]
                 else:  # two points give a secant, whose aim lands on one side: one probe, then three points
@@ -296,7 +296,7 @@ def _smallest_feasible(epsilon_at: Callable[[float], float], target: float, lo: 
         learned = False
         for x in probes:
             if lo < x < hi:
-                e = epsilon_at(x)
+                e = epsilon_at(x) if x >= floor else math.inf
                 if 0 < e < math.inf:
                     points.append((math.log(x), math.log(e) - math.log(target)))
                     learned = True
@@ -325,8 +325,6 @@ def calibrate_noise_multiplier(
         raise ValueError("target epsilon must be positive")
 
     def epsilon_at(sigma: float) -> float:
-        if accountant == "pld" and sigma < PLD_MIN_NOISE_MULTIPLIER:
-            return math.inf  # refused there; more noise than needed is still within the target
         return compute_epsilon(sigma, sample_rate, steps, delta, accountant)
 
     lo, e_lo = 0.0, math.inf
@@ -337,7 +335,7 @@ def calibrate_noise_multiplier(
         if hi > 1e6:
             raise ValueError("no noise multiplier reaches the target epsilon")
         e_hi = epsilon_at(hi)
-    floor = PLD_MIN_NOISE_MULTIPLIER if accountant == "pld" else 0.0
+    floor = PLD_MIN_NOISE_MULTIPLIER if accountant == "pld" else 0.0  # PLD refuses less noise; more is within target
     return _smallest_feasible(epsilon_at, target_epsilon, lo, hi, e_lo, e_hi, tol, floor)
 
 
