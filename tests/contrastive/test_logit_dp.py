@@ -358,17 +358,19 @@ def test_batched_pooling_vjp_equals_autograd(pool: nn.Module, dtype: torch.dtype
     """The conv Jacobian carries chunk x d cotangents back through average pooling with one pooling backward for
     all of them: it equals autograd's vector-Jacobian products of the repeated input, bit for bit, for disjoint,
     overlapping, padded, ceil-mode and custom-divisor windows, on inputs that the windows tile or not; disjoint
-    windows that tile the input by 0/1 matrix products, the others (and where matrix products may not be IEEE) by
-    the pooling backward."""
+    windows by 0/1 matrix products (the whole window matrix on small maps, with or without a remainder; tiled on
+    larger maps that the windows tile), the others (and where matrix products may not be IEEE) by the pooling
+    backward."""
     from clipless.contrastive import logit_dp as ld
 
-    tiled = []
-    original = ld._tiled_avg_pool_backward
+    tiled, dense = [], []
+    original, original_dense = ld._tiled_avg_pool_backward, ld._dense_avg_pool_backward
     monkeypatch.setattr(ld, "_tiled_avg_pool_backward", lambda *a: tiled.append(1) or original(*a))
+    monkeypatch.setattr(ld, "_dense_avg_pool_backward", lambda *a: dense.append(1) or original_dense(*a))
     gen = torch.Generator().manual_seed(0)
     for ieee in (True, False):
         monkeypatch.setattr(ld, "ieee_matmul", lambda device, ieee=ieee: ieee)
-        for height, width in ((12, 12), (7, 9)):
+        for height, width in ((12, 12), (7, 9), (5, 5)):
             h = torch.randn(3, 2, height, width, generator=gen, dtype=dtype)
             g = torch.randn(3 * 4, *pool(h).shape[1:], generator=gen, dtype=dtype)  # 4 cotangents per example
             g[0, 0, 0, 0] = 1e-40 if dtype == torch.float32 else 1e-310  # a subnormal passes unchanged
@@ -377,8 +379,12 @@ def test_batched_pooling_vjp_equals_autograd(pool: nn.Module, dtype: torch.dtype
             assert torch.equal(ld._batched_vjp(pool, h, g), expected)
     disjoint = pool.kernel_size == (pool.stride or pool.kernel_size) and pool.padding == 0 and not pool.ceil_mode
     size = torch.nn.modules.utils._pair(pool.kernel_size)
-    tiling = sum(1 for hh, ww in ((12, 12), (7, 9)) if hh % size[0] == 0 and ww % size[1] == 0)
-    assert len(tiled) == (tiling if disjoint else 0)  # the tiled form where windows tile the input, IEEE products
+    small = [(hh, ww) for hh, ww in ((12, 12), (7, 9), (5, 5)) if (hh // size[0]) * (ww // size[1]) * hh * ww <= 512]
+    tiling = sum(1 for hh, ww in ((12, 12), (7, 9), (5, 5))
+                 if hh % size[0] == 0 and ww % size[1] == 0 and (hh, ww) not in small)
+    # IEEE products only: the whole window matrix on small maps, the tiled form where windows tile a larger one
+    assert (len(dense), len(tiled)) == ((len(small), tiling) if disjoint else (0, 0))
+    assert not disjoint or small  # every disjoint pooling here meets the dense form on some map
 
 
 def test_unknown_layers_refuse_the_factored_path() -> None:
