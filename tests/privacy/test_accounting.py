@@ -159,6 +159,23 @@ def test_steps_calibration_round_trip():
     assert cl.calibrate_steps(1e-4, 1e-5, 0.5, 0.3, "rdp") == 0
 
 
+def test_steps_calibration_never_returns_an_unchecked_cap():
+    """The answer under a cap ``max_steps`` is a count whose epsilon was checked: a cap between two doublings whose
+    epsilon exceeds the target gives the largest feasible count below it, never the cap itself."""
+    q, sigma, target = 0.02, 1.2, 2.0
+    free = cl.calibrate_steps(target, 1e-5, q, sigma, "rdp")
+    assert free > 8
+    for cap in (free - 3, free, free + 1, 1):
+        steps = cl.calibrate_steps(target, 1e-5, q, sigma, "rdp", max_steps=cap)
+        assert steps == min(cap, free)
+        assert cl.compute_epsilon(sigma, q, steps, 1e-5, "rdp") <= target
+    top = 1 << (free.bit_length() - 1)  # the last doubling below the answer: a cap just above the answer's bracket
+    assert cl.calibrate_steps(target, 1e-5, q, sigma, "rdp", max_steps=2 * top - 1) == min(2 * top - 1, free)
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="max_steps"):
+            cl.calibrate_steps(target, 1e-5, q, sigma, "rdp", max_steps=bad)
+
+
 def test_accountant_history_and_state():
     acc = cl.PrivacyAccountant("rdp")
     assert acc.get_epsilon(1e-5) == 0.0

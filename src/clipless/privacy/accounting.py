@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -347,7 +348,11 @@ def calibrate_steps(
     accountant: str = "pld",
     max_steps: int = 10_000_000,
 ) -> int:
-    """Largest number of steps whose epsilon is ``<= target_epsilon`` (0 if even one step exceeds it)."""
+    """Largest number of steps, at most ``max_steps``, whose epsilon is ``<= target_epsilon`` (0 if even one step
+    exceeds it).  Epsilon grows with the steps: doubling brackets the answer, bisection finds it, and every
+    answer is a count whose epsilon was evaluated."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral) or max_steps < 1:
+        raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
 
     def feasible(steps: int) -> bool:
         return compute_epsilon(noise_multiplier, sample_rate, steps, delta, accountant) <= target_epsilon
@@ -355,10 +360,12 @@ def calibrate_steps(
     if not feasible(1):
         return 0
     lo, hi = 1, 2
-    while feasible(hi):
+    while hi <= max_steps and feasible(hi):
         lo, hi = hi, hi * 2
-        if hi > max_steps:
-            return max_steps
+    if hi > max_steps:  # the cap itself, which lies in (lo, hi), may be within the target
+        if feasible(max_steps):
+            return int(max_steps)
+        hi = int(max_steps)
     while hi - lo > 1:  # invariant: feasible(lo), not feasible(hi)
         mid = (lo + hi) // 2
         if feasible(mid):
