@@ -159,6 +159,36 @@ def test_steps_calibration_round_trip():
     assert cl.calibrate_steps(1e-4, 1e-5, 0.5, 0.3, "rdp") == 0
 
 
+@pytest.mark.parametrize("count", [-60, -1, 2.7, 0.5, True, float("nan"), float("inf"), "3", None])
+def test_step_counts_are_whole_and_not_negative(count):
+    """A negative count merged into the history took steps away (100 then -60 composed 40), 2.7 was truncated to 2,
+    and a checkpoint's history with such a count loaded: each a silently low epsilon.  All are refused, live or
+    loaded, and nothing is composed."""
+    acc = cl.PrivacyAccountant("rdp")
+    acc.step(1.0, 0.01, 100)
+    with pytest.raises(ValueError, match="step count"):
+        acc.step(1.0, 0.01, count)
+    assert acc.history == [(1.0, 0.01, 100)]
+    fresh = cl.PrivacyAccountant("pld")
+    with pytest.raises(ValueError, match="step count"):
+        fresh.load_state_dict({"mechanism": "pld", "history": [(1.0, 0.01, 100), (1.0, 0.01, count)]})
+    assert fresh.steps == 0
+    with pytest.raises(ValueError, match="step count"):
+        cl.compute_epsilon(1.0, 0.01, count, 1e-5, "rdp")
+
+
+def test_whole_step_counts_of_any_integer_type_compose():
+    import numpy as np
+
+    acc = cl.PrivacyAccountant("rdp")
+    acc.step(1.0, 0.01, np.int64(5))
+    acc.step(1.0, 0.01, 3.0)
+    acc.step(1.0, 0.01, 0)  # nothing composed
+    assert acc.history == [(1.0, 0.01, 8)]
+    assert acc.get_epsilon(1e-5) == cl.compute_epsilon(1.0, 0.01, 8, 1e-5, "rdp")
+    assert cl.compute_epsilon(1.0, 0.01, 0, 1e-5, "rdp") == 0.0
+
+
 def test_steps_calibration_never_returns_an_unchecked_cap():
     """The answer under a cap ``max_steps`` is a count whose epsilon was checked: a cap between two doublings whose
     epsilon exceeds the target gives the largest feasible count below it, never the cap itself."""

@@ -117,7 +117,17 @@ def _check_delta_resolvable(mechanism: str, delta: float) -> None:
                          "use the rdp accountant for so small a delta")
 
 
+def _step_count(steps: Any) -> int:
+    """A number of composed steps: a whole number >= 0.  ``int()`` would truncate 2.7 to 2 and a negative count
+    merged into the history would take steps away, each a silently low epsilon."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Real) or not (
+            isinstance(steps, numbers.Integral) or float(steps).is_integer()) or steps < 0:
+        raise ValueError(f"a step count must be a whole number >= 0, got {steps!r}")
+    return int(steps)
+
+
 def _step_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
+    steps = _step_count(steps)
     if not (0 < sample_rate <= 1):
         raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
     if not (noise_multiplier > 0):
@@ -200,8 +210,11 @@ class PrivacyAccountant:
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         _step_event(noise_multiplier, sample_rate, steps)  # validates
+        steps = _step_count(steps)
         if self.mechanism == "pld":
             _check_pld_noise(noise_multiplier)
+        if steps == 0:
+            return
         last = self._history[-1] if self._history else None
         if last and last.noise_multiplier == noise_multiplier and last.sample_rate == sample_rate:
             last.steps += steps
@@ -241,7 +254,7 @@ class PrivacyAccountant:
         check_nothing_released(self.steps, "this accountant")
         loaded = PrivacyAccountant(state["mechanism"])
         for s, q, n in state["history"]:  # validated like live steps: a stored history is an untrusted claim
-            loaded.step(float(s), float(q), int(n))
+            loaded.step(float(s), float(q), n)
         self.mechanism, self._history = loaded.mechanism, loaded._history  # all or nothing
 
 
@@ -250,7 +263,7 @@ def compute_epsilon(
 ) -> float:
     """Epsilon of ``steps`` Poisson-subsampled Gaussian steps."""
     acc = PrivacyAccountant(accountant)
-    if steps > 0:
+    if _step_count(steps) > 0:
         acc.step(noise_multiplier, sample_rate, steps)
     return acc.get_epsilon(delta)
 
