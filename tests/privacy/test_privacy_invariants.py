@@ -494,6 +494,15 @@ def test_declared_constants_are_read_only(obj, name, value):
         setattr(obj, name, value)
 
 
+@pytest.mark.parametrize("weights", [(-0.5, 0.5), (0.5, -1.0), (float("nan"), 0.5), (0.5, float("nan")),
+                                     (float("inf"), 0.5), (0.5, float("inf")), (True, 0.5), ("0.5", 0.5)])
+def test_residual_weights_must_be_finite_and_non_negative(weights):
+    """``y = a x + b h(x)`` is bounded with ``a`` and ``b`` as given: a negative weight would subtract from the
+    gradient bound, and NaN slipped past a ``< 0`` test into NaN bounds and noise."""
+    with pytest.raises(ValueError, match="residual weights"):
+        cl.Residual(nn.Identity(), *weights)
+
+
 def test_input_clip_radius_change_cannot_bypass_the_bound():
     _, model, opt, _ = _engine_setup()
     with pytest.raises(AttributeError, match="declared constant"):

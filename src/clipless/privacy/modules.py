@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
@@ -101,8 +102,10 @@ class Residual(DeclaredConstants, nn.Module):
 
     def __init__(self, branch: nn.Module, skip_weight: float = 0.5, branch_weight: float = 0.5) -> None:
         super().__init__()
-        if skip_weight < 0 or branch_weight < 0:
-            raise ValueError("residual weights must be non-negative")
+        for name, weight in (("skip_weight", skip_weight), ("branch_weight", branch_weight)):
+            # NaN passes a "< 0" test and would carry NaN bounds into the noise; inf has no finite bound
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not 0 <= weight < math.inf:
+                raise ValueError(f"residual weights must be finite and non-negative, got {name}={weight!r}")
         self.branch = branch
         self.skip_weight, self.branch_weight = float(skip_weight), float(branch_weight)
 
