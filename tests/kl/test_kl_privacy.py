@@ -222,6 +222,9 @@ def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
     study = json.loads((out / "kl_study.json").read_text())
     assert {p.split("/")[-1] for p in study["plots"]} == {"kl_vs_steps.png", "kl_vs_width.png", "kl_vs_depth.png"}
     assert all((out / name).stat().st_size > 0 for name in ("kl_vs_steps.png", "kl_vs_width.png", "kl_vs_depth.png"))
+    # written through a temporary file each (a crash leaves an earlier study's files whole), none of them left
+    assert sorted(p.name for p in out.iterdir()) == ["kl_study.json", "kl_vs_depth.png", "kl_vs_steps.png",
+                                                    "kl_vs_width.png"]
     kinds = [r["experiment"] for r in study["results"]]
     assert kinds.count("steps") == 4 and kinds.count("attack") == 2  # network + linearized per init
     for r in study["results"]:

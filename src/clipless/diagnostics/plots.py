@@ -16,6 +16,7 @@ __all__ = [
     "plot_audit_scores",
     "plot_audit_tightness",
     "plot_training",
+    "save_figure",
 ]
 
 PathLike = Union[str, Path]
@@ -33,8 +34,9 @@ def _figure(ncols: int = 1, width: float = 5.0, height: float = 3.4):
     return plt, fig, axes[0]
 
 
-def _save(plt, fig, path: PathLike) -> Path:
-    """Render to memory, then replace ``path`` at once: a crash never leaves a half-written figure."""
+def save_figure(plt, fig, path: PathLike) -> Path:
+    """Render ``fig`` to memory, then replace ``path`` at once (a crash never leaves a half-written figure); the
+    figure is closed."""
     import io
 
     from ..train.checkpoint import write_atomically  # not at import: train imports the diagnostics
@@ -72,7 +74,7 @@ def plot_training(history: Sequence[Mapping[str, Any]], path: PathLike, title: s
         right.plot(epochs, [row["epsilon"] for row in history], color="C1", linestyle="--", label="epsilon")
         right.set_ylabel("epsilon spent", color="C1")
         right.set_ylim(bottom=0)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_norm_histograms(
@@ -88,7 +90,7 @@ def plot_norm_histograms(
     ax.set_ylabel("examples")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_gradient_norms(norms: Mapping[str, torch.Tensor], bounds: Mapping[str, float], path: PathLike) -> Path:
@@ -103,7 +105,7 @@ def plot_gradient_norms(norms: Mapping[str, torch.Tensor], bounds: Mapping[str, 
         ax.set_xlim(left=0)
     axes[0].set_ylabel("examples")
     axes[0].legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_tightness(ratios: Mapping[str, float], path: PathLike, title: str = "bound tightness") -> Path:
@@ -118,7 +120,7 @@ def plot_tightness(ratios: Mapping[str, float], path: PathLike, title: str = "bo
     ax.set_ylim(0, 1.1)
     ax.set_title(title)
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_certified_accuracy(radii: Sequence[float], curves: Mapping[str, Sequence[float]], path: PathLike) -> Path:
@@ -130,7 +132,7 @@ def plot_certified_accuracy(radii: Sequence[float], curves: Mapping[str, Sequenc
     ax.set_ylabel("certified accuracy")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_pareto(points: Mapping[str, Dict[float, float]], path: PathLike, reference: Optional[float] = None) -> Path:
@@ -145,7 +147,7 @@ def plot_pareto(points: Mapping[str, Dict[float, float]], path: PathLike, refere
     ax.set_xlabel("epsilon (delta = 1e-5)")
     ax.set_ylabel("test accuracy")
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 _WORLDS = {"step": ("D (without the canary)", "D' (with the canary)"),
@@ -171,7 +173,7 @@ def plot_audit_scores(result: Any, path: PathLike) -> Path:
     ax.set_xlabel("attack score" + (" (whitened projection on the canary gradient)" if result.mode == "step" else ""))
     ax.set_ylabel("density")
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_audit_tightness(rows: Sequence[Mapping[str, Any]], path: PathLike) -> Path:
@@ -188,4 +190,4 @@ def plot_audit_tightness(rows: Sequence[Mapping[str, Any]], path: PathLike) -> P
     ax.set_xlabel("noise multiplier sigma (one unsubsampled step)")
     ax.set_ylabel("epsilon (delta = 1e-5)")
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)

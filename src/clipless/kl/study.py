@@ -21,7 +21,9 @@ from tqdm.auto import tqdm
 
 from ..data.datasets import load_mnist
 from ..diagnostics.membership import loss_threshold_attack
+from ..diagnostics.plots import save_figure
 from ..privacy.distributed import world
+from ..train.checkpoint import write_atomically
 from . import noisy_gd as klp
 
 
@@ -246,9 +248,7 @@ def plot_kl_study(study: Dict[str, Any], out_dir: Path) -> List[Path]:
     paths.append(out_dir / "kl_vs_depth.png")
 
     for figure, path in zip((fig, fig2, fig3), paths):
-        figure.tight_layout()
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
+        save_figure(plt, figure, path)  # each file replaced at once: an earlier study's figure is never half-overwritten
     return paths
 
 
@@ -280,7 +280,7 @@ def main_kl_study(cfg: KLStudyConfig) -> Dict[str, Any]:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     study["plots"] = [str(p) for p in plot_kl_study(study, out)]
-    (out / "kl_study.json").write_text(json.dumps(study, indent=2))
+    write_atomically(out / "kl_study.json", json.dumps(study, indent=2).encode())
     return study
 
 
