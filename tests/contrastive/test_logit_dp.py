@@ -496,6 +496,10 @@ def test_contrastive_sensitivity_values() -> None:
     assert logit_dp_sensitivity(1.0, 0.2, batch_size=1) == pytest.approx(10.0)
     assert logit_dp_sensitivity(2.0, 1.0, "spreadout") == 12.0
     assert naive_dp_sensitivity(3.0) == 6.0
+    # a fixed batch's size is a whole number: 2.7 was truncated to 2, the bound of a smaller batch
+    for bad in (2.7, 0, -3, True, "8"):
+        with pytest.raises(ValueError, match="whole number"):
+            logit_dp_sensitivity(1.0, 0.5, batch_size=bad)
     with pytest.raises(ValueError, match="tau = 1"):
         logit_dp_sensitivity(1.0, 0.5, "spreadout")
     with pytest.raises(ValueError, match="positive"):
