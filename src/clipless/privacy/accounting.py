@@ -209,8 +209,8 @@ class PrivacyAccountant:
         return sum(e.steps for e in self._history)
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        _step_event(noise_multiplier, sample_rate, steps)  # validates
         steps = _step_count(steps)
+        _step_event(noise_multiplier, sample_rate, steps)  # validates
         if self.mechanism == "pld":
             _check_pld_noise(noise_multiplier)
         if steps == 0:
@@ -375,8 +375,8 @@ def calibrate_steps(
     lo, hi = 1, 2
     while hi <= max_steps and feasible(hi):
         lo, hi = hi, hi * 2
-    if hi > max_steps:  # the cap itself, which lies in (lo, hi), may be within the target
-        if feasible(max_steps):
+    if hi > max_steps:  # the cap itself, which lies in [lo, hi), may be within the target
+        if lo == max_steps or feasible(max_steps):
             return int(max_steps)
         hi = int(max_steps)
     while hi - lo > 1:  # invariant: feasible(lo), not feasible(hi)
