@@ -202,8 +202,9 @@ def test_bad_input_is_refused():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         klp.noisy_gradient_descent(net, bad, y, None, None, eta=0.1, sigma=0.1, steps=1)
-    with pytest.raises(ValueError, match="eta"):
-        klp.noisy_gradient_descent(net, x, y, None, None, eta=0.0, sigma=0.1, steps=1)
+    for eta, sigma in ((0.0, 0.1), (float("nan"), 0.1), (0.1, float("nan")), (0.1, float("inf"))):  # NaN passed "<= 0"
+        with pytest.raises(ValueError, match="eta"):
+            klp.noisy_gradient_descent(net, x, y, None, None, eta=eta, sigma=sigma, steps=1)
     with pytest.raises(ValueError, match="unknown loss"):
         klp.gradient_geometry(net, x, y, loss="hinge")
     with pytest.raises(TypeError):

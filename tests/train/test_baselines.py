@@ -70,8 +70,10 @@ def test_bad_baseline_input(digits):
                     target_epsilon=1.0, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="delta"):
         train_dpsgd(model, digits.train, batch_size=64, epochs=1, delta=0.01, max_grad_norm=1.0, target_epsilon=1.0)
-    with pytest.raises(ValueError, match="max_grad_norm"):
-        train_dpsgd(model, digits.train, batch_size=64, epochs=1, delta=1e-5, max_grad_norm=0.0, target_epsilon=1.0)
+    for clip in (0.0, float("nan"), float("inf")):  # NaN passed a "<= 0" test
+        with pytest.raises(ValueError, match="max_grad_norm"):
+            train_dpsgd(model, digits.train, batch_size=64, epochs=1, delta=1e-5, max_grad_norm=clip,
+                        target_epsilon=1.0)
 
 
 @pytest.mark.parametrize("method", ["dpsgd", "nonprivate"])

@@ -207,8 +207,9 @@ def noisy_gradient_descent(
     Without ``generator`` the noise comes from OS entropy: the KL bound is over the noise, which an adversary
     who knows the generator's seed can subtract (the torch default generator is as public as its seed).
     """
-    if eta <= 0 or sigma <= 0 or steps < 1:
-        raise ValueError(f"need eta > 0, sigma > 0 and steps >= 1 (got {eta}, {sigma}, {steps})")
+    # "not (x > 0)": NaN fails it, where it passed "x <= 0" into a NaN trajectory and NaN KL bounds
+    if not (0 < eta < math.inf and 0 < sigma < math.inf) or steps < 1:
+        raise ValueError(f"need finite eta > 0, sigma > 0 and steps >= 1 (got {eta}, {sigma}, {steps})")
     check_finite(x_train, "training data")
     if x_heldout is not None:
         check_finite(x_heldout, "held-out data")

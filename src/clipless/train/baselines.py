@@ -138,8 +138,8 @@ def train_dpsgd(
     check_delta(delta, n)
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ValueError("give exactly one of target_epsilon and noise_multiplier")
-    if max_grad_norm <= 0:
-        raise ValueError("max_grad_norm must be > 0")
+    if not 0 < max_grad_norm < math.inf:  # NaN passed a "<= 0" test into Opacus' clipping
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
     if seed is not None:
         torch.manual_seed(seed)
     loader = DataLoader(train_data, batch_size=batch_size)
