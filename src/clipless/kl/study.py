@@ -248,7 +248,7 @@ def plot_kl_study(study: Dict[str, Any], out_dir: Path) -> List[Path]:
     paths.append(out_dir / "kl_vs_depth.png")
 
     for figure, path in zip((fig, fig2, fig3), paths):
-        save_figure(plt, figure, path)  # each file replaced at once: an earlier study's figure is never half-overwritten
+        save_figure(plt, figure, path)  # replaced at once: an earlier figure is never half-overwritten
     return paths
 
 
