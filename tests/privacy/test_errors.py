@@ -95,6 +95,30 @@ def test_input_bound_violated_by_data_refused(data):
         trainer.fit()
 
 
+def test_the_input_bounds_tolerance_is_inside_the_certified_bound():
+    """The data check admits norms up to input_bound (1 + 1e-6) (data normalized to the bound in float32); the bounds
+    use that raised X_0, so an admitted input is never above the bound the noise was calibrated for, and one just
+    above the tolerance is refused."""
+    from clipless.privacy.input_guard import INPUT_BOUND_TOLERANCE
+
+    x = torch.rand(8, *SHAPE, dtype=torch.float64)
+    x = x / x.flatten(1).norm(dim=1).view(-1, 1, 1, 1)  # unit rows
+    data = cl.ArrayDataset(x.float(), torch.randint(0, 3, (8,)))
+    for clip in (None, 5.0):  # a plain model, and one whose InputNormClip is wider than the declared bound
+        model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=clip).double()
+        model, opt, _ = cl.PrivacyEngine("rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
+            loss=cl.TauCrossEntropy(4.0), noise_multiplier=1.0, input_shape=SHAPE, batch_size=4.0, input_bound=1.0,
+            external_batches=True)
+        x0 = opt.bound_engine.input_bound
+        assert x0 == 1.0 * (1 + INPUT_BOUND_TOLERANCE)
+        admitted = x * (1 + 0.9 * INPUT_BOUND_TOLERANCE)
+        model(admitted)  # admitted, and within X_0
+        assert float(admitted.flatten(1).norm(dim=1).max()) <= x0
+        with pytest.raises(BoundError, match="declared input_bound"):
+            model(x * (1 + 2 * INPUT_BOUND_TOLERANCE))
+
+
 def test_missing_input_bound_refused(data):
     with pytest.raises(BoundError, match="no input bound"):
         trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,)), data)

@@ -56,7 +56,7 @@ from .certified import BoundError
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
-           "check_precision", "row_digests", "batch_row_digests", "rows_repeated"]
+           "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "INPUT_BOUND_TOLERANCE"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -254,13 +254,19 @@ def _compile_refusal() -> None:
                      "the trained model for inference, e.g. after clipless.export)")
 
 
+# The data-bound check accepts norms up to input_bound (1 + this): data normalized to the bound in float32 has
+# float64 norms a few units of 2^-24 above it.  The bounds then use that raised X_0 (resolve_input_bound).
+INPUT_BOUND_TOLERANCE = 1e-6
+
+
 class InputGuard(_Guard):
     """Forward pre-hook that refuses inputs the privacy analysis does not cover.
 
-    Wrong per-example shape or NaN/inf values always raise.  A norm above the declared data bound
-    raises on every forward whose output can reach a private step: in training mode, and whenever
-    autograd records the forward (an ``eval()``-mode forward with gradients can still be backpropagated
-    and released).  Only no-grad evaluation in ``eval()`` mode is left unchecked.
+    Wrong per-example shape or NaN/inf values always raise.  A norm above the declared data bound (by more
+    than ``INPUT_BOUND_TOLERANCE`` relative, which the bounds include) raises on every forward whose output
+    can reach a private step: in training mode, and whenever autograd records the forward (an ``eval()``-mode
+    forward with gradients can still be backpropagated and released).  Only no-grad evaluation in ``eval()``
+    mode is left unchecked.
     """
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int], data_bound: Optional[float]) -> None:
@@ -284,7 +290,7 @@ class InputGuard(_Guard):
             check_precision(module, x)
         if checked and self.data_bound is not None and x.shape[0] > 0:
             largest = largest_norm(x, self.data_bound)
-            if largest > self.data_bound * (1 + 1e-6):
+            if largest > self.data_bound * (1 + INPUT_BOUND_TOLERANCE):
                 # the norm itself is not shown: error messages reach logs, and it is a statistic of a record
                 raise BoundError(
                     f"an input of the batch has a norm above the declared input_bound {self.data_bound:.6g}: the "

@@ -14,7 +14,7 @@ from .bounds import BoundEngine
 from .calibration import plan_noise, planned_steps
 from .certified import BoundError
 from .distributed import DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks, world
-from .input_guard import InputGuard
+from .input_guard import INPUT_BOUND_TOLERANCE, InputGuard
 from .modules import InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
 from .sampling import dataset_size, expected_batch_size, poisson_data_loader, poisson_threshold
@@ -34,18 +34,20 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
 
     ``X_0`` comes from a leading :class:`~clipless.privacy.modules.InputClip` (e.g. ``InputNormClip``) or from a declared
     ``input_bound`` that every input is then checked against — never from the
-    data itself.
+    data itself.  The check admits norms up to ``input_bound (1 + INPUT_BOUND_TOLERANCE)``, and so does ``X_0``.
     """
     head = first_leaf(model)
+    # a checked bound admits norms up to input_bound (1 + INPUT_BOUND_TOLERANCE): X_0 is raised to match
+    checked = None if input_bound is None else float(input_bound) * (1 + INPUT_BOUND_TOLERANCE)
     if isinstance(head, InputClip):
-        x0 = head.max_norm if input_bound is None else min(head.max_norm, float(input_bound))
+        x0 = head.max_norm if checked is None else min(head.max_norm, checked)
         return x0, (float(input_bound) if input_bound is not None else None)
     if input_bound is None:
         raise BoundError(
             "no input bound: start the model with InputNormClip(C) or pass input_bound= (a bound fixed "
             "without looking at the data; inputs above it are refused)"
         )
-    return float(input_bound), float(input_bound)
+    return checked, float(input_bound)  # type: ignore[return-value]
 
 
 def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -> Tuple[Dataset, float]:
