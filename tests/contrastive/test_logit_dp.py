@@ -498,7 +498,7 @@ def test_contrastive_sensitivity_values() -> None:
     assert naive_dp_sensitivity(3.0) == 6.0
     # a fixed batch's size is a whole number: 2.7 was truncated to 2, the bound of a smaller batch
     for bad in (2.7, 0, -3, True, "8"):
-        with pytest.raises(ValueError, match="whole number"):
+        with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
             logit_dp_sensitivity(1.0, 0.5, batch_size=bad)
     with pytest.raises(ValueError, match="tau = 1"):
         logit_dp_sensitivity(1.0, 0.5, "spreadout")

@@ -19,7 +19,6 @@ blocks, whose exact cross term is the costly part of a convolutional encoder's s
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.utils import _pair
 
+from ..nn.functional import whole_number
 from ..privacy.certified import ieee_matmul
 from ..privacy.input_guard import (check_precision, global_hooks_registered, module_hooks, replaced_forward,
                                    saved_tensor_hooks_active)
@@ -138,11 +138,7 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
     if batch_size is None:  # sup over n of (n-1) q_n
         column = math.exp(2.0 / tau) if 2.0 / tau < 709.0 else math.inf
     else:  # (n-1) q_n = (n-1) / (1 + (n-1) e^{-2/tau}), which cannot overflow
-        # int() would truncate 2.7 to 2, and the bound grows with n: a fixed batch's size is a whole number
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-            raise ValueError(f"batch size must be a whole number >= 1 (the fixed size of every batch), got "
-                             f"{batch_size!r}")
-        n = int(batch_size)
+        n = whole_number(batch_size, "batch_size")  # int() would truncate 2.7 to 2, and the bound grows with n
         column = (n - 1) / (1.0 + (n - 1) * math.exp(-2.0 / tau))
     value = (clip_norm / tau) * (2.0 + 2.0 * column)
     if not math.isfinite(value):

@@ -127,7 +127,6 @@ def _step_count(steps: Any) -> int:
 
 
 def _step_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
-    steps = _step_count(steps)
     if not (0 < sample_rate <= 1):
         raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
     if not (noise_multiplier > 0):
@@ -210,7 +209,7 @@ class PrivacyAccountant:
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         steps = _step_count(steps)
-        _step_event(noise_multiplier, sample_rate, steps)  # validates
+        _step_event(noise_multiplier, sample_rate, steps)  # validates the rate and the multiplier
         if self.mechanism == "pld":
             _check_pld_noise(noise_multiplier)
         if steps == 0:
