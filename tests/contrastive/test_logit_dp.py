@@ -151,19 +151,22 @@ def _float32_conv_case(seed: int, linear_head: bool) -> Tuple[nn.Module, torch.T
     return enc32, xa, xb, true
 
 
+@pytest.mark.parametrize("method", ["factored", "jacobian"])
 @pytest.mark.parametrize("linear_head", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_conv_clipped_pair_gradients_never_exceed_b_in_float32(seed: int, linear_head: bool) -> None:
-    """The factored path in float32 (conv Jacobian block, alone or beside Linear factors): with the rounding margin
-    no clipped pair gradient exceeds B, with the clip norm right at the true norms and near-cancelling pairs."""
+def test_conv_clipped_pair_gradients_never_exceed_b_in_float32(seed: int, linear_head: bool, method: str) -> None:
+    """Float32 conv encoders (conv Jacobian block, alone or beside Linear factors; the factored path and the
+    generic Jacobian path): with the rounding margin no clipped pair gradient exceeds B, with the clip norm right
+    at the true norms and near-cancelling pairs.  The Jacobian path once took the float64 margin of its sums for
+    float32 Jacobians and let near-cancelling pairs through up to 3% over B here."""
     from clipless.contrastive import logit_dp as ld
 
     enc32, xa, xb, true = _float32_conv_case(seed, linear_head)
     kept = true > 1e-5  # below: the float64 reference is itself rounding noise
-    slack = ld._gram_terms(enc32, xa, xb, "factored", 256, 64)[1].double()
+    slack = ld._gram_terms(enc32, xa, xb, method, 256, 64)[1].double()
     for clip in (0.5 * float(true[kept].min()), float(true[kept].min()), float(true.median()),
                  float(true.max()) * (1 - 1e-7)):
-        factor = clip_factors(enc32, xa, xb, clip)
+        factor = clip_factors(enc32, xa, xb, clip, method=method)
         assert bool((factor * true <= clip * (1 + 1e-9))[kept].all())
         # No over-clipping beyond the certified margin: ||Clip(g)|| >= min(||g||, B / sqrt(1 + slack / ||g||^2)).
         floor = torch.minimum(true, clip / (1 + slack / true.square()).sqrt())
@@ -431,8 +434,9 @@ def test_lambda_gradient_equals_sum_of_clipped_pair_gradients(loss: str, tau: fl
         torch.testing.assert_close(_grad_vector(enc), expected, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("method", ["auto", "jacobian"])
 @pytest.mark.parametrize("seed", range(6))
-def test_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> None:
+def test_clipped_pair_gradients_never_exceed_b_in_float32(seed: int, method: str) -> None:
     """The clip factors are computed in float32; with the rounding margin no clipped pair gradient exceeds B,
     even when the clip norm sits right at the true norms and when g_ij nearly cancels (x'_j = x_i)."""
     enc32 = _mlp(seed, dims=(12, 32, 32, 8), act=nn.ReLU, scale=3.0, dtype=torch.float32)
@@ -445,12 +449,13 @@ def test_clipped_pair_gradients_never_exceed_b_in_float32(seed: int) -> None:
     assert float(true.min()) < 1e-6  # g_ii = 0 exactly for identical views
     smallest = float(true[true > 1e-3].min())
     for clip in (1e-3, smallest, float(true.median()), float(true.max()) * (1 - 1e-7)):
-        factor = clip_factors(enc32, xa, xb, clip)
+        factor = clip_factors(enc32, xa, xb, clip, method=method)
         clipped = (factor * true)[true > 1e-3]  # below: the float64 reference is itself rounding noise
         assert bool((clipped <= clip * (1 + 1e-9)).all())
         far = true > 10 * clip
         if bool(far.any()):  # and the margin does not over-clip: ||g|| >= 10 B gives factor ~ B / ||g||
-            assert float((factor * true)[far].min()) > 0.99 * clip
+            # (the Jacobian path's chain of roundings runs over all p parameters at once: a wider margin)
+            assert float((factor * true)[far].min()) > (0.99 if method == "auto" else 0.97) * clip
 
 
 def _gbar(enc: nn.Module, xa: torch.Tensor, xb: torch.Tensor, loss: str, tau: float, clip: float) -> torch.Tensor:
