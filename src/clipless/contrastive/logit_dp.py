@@ -700,7 +700,8 @@ def _block_chain(p: int, d: int) -> int:
     return p + d * d + 2 * d + 4
 
 
-def _cauchy_schwarz_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor, v: torch.Tensor
+def _cauchy_schwarz_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor, v: torch.Tensor,
+                          precision: Optional[torch.dtype] = None
                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """An upper bound on a Jacobian block's share of ``||g_ij||^2``: ``A_ij + B_ij + 2 sqrt(A_ij B_ij)`` with
     ``|C_ij| = |<J_i^T v_j, J'_j^T u_i>| <= sqrt(A_ij B_ij)`` (Cauchy-Schwarz) for ``i != j``, at
@@ -712,8 +713,9 @@ def _cauchy_schwarz_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor,
     The square roots take ``A``, ``B`` raised by their own rounding bound ``2 gamma_K tr(J_i J_i^T)`` (the
     factor 2 covers ``||v_j||`` above 1 by rounding), so the cross bound holds for the exact ``A``, ``B``;
     it is formed in float64 and rounded up into the working precision.  The caller's margin covers the
-    rounding of ``A``, ``B`` and ``C_ii`` themselves, as for the exact term.  Same returns as
-    :func:`_jacobian_terms`.
+    rounding of ``A``, ``B`` and ``C_ii`` themselves, as for the exact term.  ``precision``: that of the
+    computation the Jacobians come from, when coarser than their dtype (float32 Jacobians held in float64).
+    Same returns as :func:`_jacobian_terms`.
     """
     n, d = u.shape
     lazy = isinstance(ja, _LazyConvJacobian)
@@ -735,7 +737,7 @@ def _cauchy_schwarz_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor,
     b = torch.einsum("jab,ia,ib->ij", gram_bb, u, u)
     trace_a, trace_b = torch.einsum("iaa->i", gram_aa), torch.einsum("jaa->j", gram_bb)
     chain = _block_chain(p, d)
-    g = 2.0 * _gamma(chain, a.dtype)
+    g = 2.0 * _gamma(chain, precision or a.dtype)
     upper_a = (a.double() + g * trace_a.double()[:, None]).clamp_min(0.0)
     upper_b = (b.double() + g * trace_b.double()[None, :]).clamp_min(0.0)
     # float64 rounding of the product and the root (a few units of 2^-53) and the one rounding to a.dtype
@@ -746,8 +748,8 @@ def _cauchy_schwarz_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor,
 
 
 def _jacobian_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor, v: torch.Tensor,
-                    block_elements: int = 1 << 22, cross_term: str = "exact"
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                    block_elements: int = 1 << 22, cross_term: str = "exact",
+                    precision: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A Jacobian block's share of ``||g_ij||^2 = A_ij + 2 C_ij + B_ij`` (``J``: ``(n, d, p)``).
 
     ``A``, ``B`` from the ``d x d`` Grams ``J_i J_i^T``; ``C_ij = <J_i^T v_j, J'_j^T u_i>`` from
@@ -756,10 +758,10 @@ def _jacobian_terms(ja: JacobianBlock, jb: JacobianBlock, u: torch.Tensor, v: to
     a chunk of examples at a time, so only ``ja`` is held whole.  Returns the part, the traces ``||J_i||_F^2``,
     ``||J'_j||_F^2`` (which bound every term's absolute sum, see :func:`_rounding_margin`) and the longest
     chain of roundings.  ``cross_term="cauchy_schwarz"``: an upper bound instead (:func:`_cauchy_schwarz_terms`;
-    the public entry points check ``cross_term`` in :func:`_check_pairs`).
+    the public entry points check ``cross_term`` in :func:`_check_pairs`; ``precision`` is passed on).
     """
     if cross_term == "cauchy_schwarz":
-        return _cauchy_schwarz_terms(ja, jb, u, v)
+        return _cauchy_schwarz_terms(ja, jb, u, v, precision)
     if isinstance(ja, _LazyConvJacobian):
         ja = ja.rows(0, len(ja))
     n, d, p = ja.shape
@@ -865,7 +867,7 @@ def _jacobian_terms_all_parameters(encoder: nn.Module, xa: torch.Tensor, xb: tor
     working = u.dtype if torch.finfo(u.dtype).eps > torch.finfo(v.dtype).eps else v.dtype
     u, v = u.double(), v.double()
     ja, jb = _jacobian(encoder, xa, chunk or CHUNK), _jacobian(encoder, xb, chunk or CHUNK)
-    total, trace_a, trace_b, length = _jacobian_terms(ja, jb, u, v, cross_term=cross_term)
+    total, trace_a, trace_b, length = _jacobian_terms(ja, jb, u, v, cross_term=cross_term, precision=working)
     # The Jacobians carry the rounding of the encoder's own (e.g. float32) backward, the pass the released
     # gradient is made of; summing them in float64 does not remove it, so the margin is that of the encoder's
     # precision, as on the factored path (in float32 the float64 margin under-covered near-cancelling pairs by 10%).
