@@ -233,7 +233,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    "(post-processing: no privacy cost); default off")
     p.add_argument("--epsilon", type=float, help="target epsilon (sigma is calibrated to reach it)")
     p.add_argument("--delta", type=float)
-    p.add_argument("--noise-multiplier", type=float, help="fix sigma instead (with --epsilon: steps are calibrated)")
+    p.add_argument("--noise-multiplier", type=float,
+                   help="fix sigma instead of calibrating it (the steps stop at --epsilon, default 3)")
     p.add_argument("--batch-size", type=float, help="expected Poisson batch size")
     p.add_argument("--epochs", type=int)
     p.add_argument("--strategy", choices=["global", "per_layer"])
@@ -309,9 +310,12 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--tau", type=float, default=1.0, help="temperature of the similarity logits")
     pre.add_argument("--clip-norm", type=float, default=1.0,
                      help="B (per pair gradient, logit_dp) or C (whole batch gradient, naive_dp)")
-    pre.add_argument("--epsilon", type=float, default=5.0, help="target epsilon (sigma is calibrated)")
+    pre.add_argument("--epsilon", type=float, default=5.0,
+                     help="target epsilon: sigma is calibrated to reach it, or with --noise-multiplier the run "
+                     "stops before passing it")
     pre.add_argument("--delta", type=float, default=1e-5)
-    pre.add_argument("--noise-multiplier", type=float, help="fix sigma instead of calibrating it")
+    pre.add_argument("--noise-multiplier", type=float,
+                     help="fix sigma instead of calibrating it (the steps stop at --epsilon, default 5)")
     pre.add_argument("--batch-size", type=float, default=256, help="expected Poisson batch size (pairs)")
     pre.add_argument("--epochs", type=int, default=10)
     pre.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
@@ -709,7 +713,7 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
                   optimizer=config["optimizer"], seed=seed, test_data=data.test, progress=bool(config["progress"]))
     if config["method"] == "dpsgd":
         outcome = train_dpsgd(model, data.train, delta=config["delta"], max_grad_norm=config["max_grad_norm"],
-                              target_epsilon=None if config["noise_multiplier"] else config["epsilon"],
+                              target_epsilon=config["epsilon"],  # with a fixed sigma: where the steps stop
                               noise_multiplier=config["noise_multiplier"], accountant=config["accountant"],
                               noise_seed=config["noise_seed"], **common)
     else:
@@ -777,7 +781,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     trainer = ContrastivePretrainer(
         encoder, build_optimizer(encoder.parameters(), args.optimizer, args.lr), pairs, method=args.method, loss=args.loss,
         tau=args.tau, clip_norm=args.clip_norm, batch_size=args.batch_size, epochs=args.epochs,
-        delta=args.delta, target_epsilon=None if args.noise_multiplier else args.epsilon,
+        delta=args.delta, target_epsilon=args.epsilon,  # with a fixed sigma: where the steps stop
         noise_multiplier=args.noise_multiplier, accountant=args.accountant, noise_seed=args.noise_seed,
         eval_pairs=eval_pairs, progress=_on_a_terminal() if args.progress is None else args.progress,
         checkpoint_path=out_dir / "checkpoint.pt", log_train_stats=args.log_train_stats,

@@ -356,7 +356,32 @@ def test_fixed_sigma_with_target_stops_at_the_budget_everywhere():
                                    cl.contrastive.GivenPairs(torch.rand(64, 1, 4, 4), torch.rand(64, 1, 4, 4)), batch_size=8,
                                    epochs=50, delta=1e-3, noise_multiplier=1.0, target_epsilon=1.5, accountant="rdp",
                                    progress=False, log=None)
-    assert pre.fit().epsilon <= 1.5
+    result = pre.fit()
+    assert result.stopped_by_budget and result.epsilon <= 1.5 and result.steps < 50 * 8
+    pytest.importorskip("opacus")
+    from clipless.train.baselines import standard_mlp, train_dpsgd
+
+    base = train_dpsgd(standard_mlp(SHAPE, 3, hidden=[8]), _data(), batch_size=8, epochs=50, delta=1e-3,
+                       max_grad_norm=1.0, noise_multiplier=1.0, target_epsilon=1.5, accountant="rdp", progress=False)
+    assert base.extra["stopped_by_budget"] and base.epsilon <= 1.5 and base.steps < 50 * len(_data()) // 8
+
+
+@pytest.mark.parametrize("command", [["train", "--method", "dpsgd"], ["pretrain", "--method", "naive_dp"],
+                                     ["pretrain", "--method", "logit_dp"], ["train"]])
+def test_every_command_keeps_an_explicit_target_with_a_fixed_sigma(command, tmp_path):
+    """``--epsilon 1 --noise-multiplier 0.5`` once ran ``train --method dpsgd`` and ``pretrain`` to epsilon 14: the two
+    commands dropped the target whenever sigma was fixed.  Now every command stops at the target (here: refuses, as
+    one step already passes it) and with a larger sigma stops early within it."""
+    if "dpsgd" in command:
+        pytest.importorskip("opacus")
+    args = command + ["--epochs", "3", "--batch-size", "256", "--no-progress"]
+    with pytest.raises(SystemExit, match="single step"):
+        cli_main(args + ["--epsilon", "1", "--noise-multiplier", "0.5", "--output-dir", str(tmp_path / "a")])
+    assert not (tmp_path / "a" / "result.json").exists()
+    cli_main(args + ["--epsilon", "1", "--noise-multiplier", "3", "--epochs", "200",
+                     "--output-dir", str(tmp_path / "b")])
+    result = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert result["epsilon"] <= 1.0 and result["steps"] < 200 * 1437 // 256
 
 
 def test_pretrainer_and_dpsgd_calibrate_within_target():

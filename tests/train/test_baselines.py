@@ -65,9 +65,11 @@ def test_standard_cnn_matches_lipschitz_cnn_shapes():
 
 def test_bad_baseline_input(digits):
     model = standard_mlp(digits.input_shape, 10, hidden=(8,))
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="target_epsilon, noise_multiplier, or both"):
+        train_dpsgd(model, digits.train, batch_size=64, epochs=1, delta=1e-5, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="single step"):  # a fixed sigma whose first step passes the target
         train_dpsgd(model, digits.train, batch_size=64, epochs=1, delta=1e-5, max_grad_norm=1.0,
-                    target_epsilon=1.0, noise_multiplier=1.0)
+                    target_epsilon=1.0, noise_multiplier=0.3)
     with pytest.raises(ValueError, match="delta"):
         train_dpsgd(model, digits.train, batch_size=64, epochs=1, delta=0.01, max_grad_norm=1.0, target_epsilon=1.0)
     for clip in (0.0, float("nan"), float("inf")):  # NaN passed a "<= 0" test

@@ -98,6 +98,7 @@ class PretrainResult:
     wall_time_s: float
     history: List[Dict[str, float]] = field(default_factory=list)
     cross_term: Optional[str] = None  # how Logit-DP's pair norms were formed (exact, or a Cauchy-Schwarz bound)
+    stopped_by_budget: bool = False  # a fixed sigma with a target: the budget ended the run before its epochs
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -309,6 +310,7 @@ class ContrastivePretrainer:
                {"private": False, "randomness": "n/a", "privacy_note": "non-private baseline: no guarantee"}),
             wall_time_s=self._wall, history=list(self.history),
             cross_term=self.cross_term if self.method == "logit_dp" else None,
+            stopped_by_budget=bool(self.plan is not None and self.plan.budget_limited and self._budget_spent()),
         )
 
     def _privacy_config(self) -> Dict[str, Any]:

@@ -125,7 +125,9 @@ def train_dpsgd(
 
     ``seed`` (public) fixes the initialization; the noise and the batches come from OS entropy unless
     ``noise_seed`` fixes them (then the result says the run is not private).  Sigma comes from the same
-    noise plan as clipless (:func:`~clipless.privacy.calibration.plan_noise`, one Gaussian mechanism).
+    noise plan as clipless (:func:`~clipless.privacy.calibration.plan_noise`, one Gaussian mechanism): give
+    ``target_epsilon`` (sigma is calibrated for ``epochs``), ``noise_multiplier``, or both (the run stops where
+    the next step would pass the target; ``extra["stopped_by_budget"]`` says whether it did).
     """
     check_held_out(train_data, test_data)
     try:
@@ -136,8 +138,8 @@ def train_dpsgd(
         raise ImportError("the DP-SGD baseline needs Opacus: pip install 'clipless[opacus]'") from err
     n = len(train_data)  # type: ignore[arg-type]
     check_delta(delta, n)
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("give exactly one of target_epsilon and noise_multiplier")
+    if target_epsilon is None and noise_multiplier is None:
+        raise ValueError("give target_epsilon, noise_multiplier, or both (the steps then stop at the target)")
     if not 0 < max_grad_norm < math.inf:  # NaN passed a "<= 0" test into Opacus' clipping
         raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
     if seed is not None:
@@ -185,7 +187,8 @@ def train_dpsgd(
         max_grad_norm=max_grad_norm, steps=taken, epochs=epochs, expected_batch_size=sample_rate * n,
         sample_rate=sample_rate, sampling="poisson", accountant=accountant, seed=seed,
         **randomness_label(noise_seed), wall_time_s=wall,
-        extra={"opacus_rdp_epsilon": float(engine.get_epsilon(delta))},
+        extra={"opacus_rdp_epsilon": float(engine.get_epsilon(delta)),
+               "stopped_by_budget": bool(plan.budget_limited and taken >= steps)},
     )
 
 
