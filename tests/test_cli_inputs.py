@@ -66,6 +66,19 @@ def _train(out, *extra):
     (["--model", "cnn", "--channels"], "--channels: the cnn needs at least one width"),  # trained a head alone
     (["--model", "mixer", "--channels"], "--channels: the mixer needs at least one width"),  # an IndexError
     (["--model", "cnn", "--channels", "--method", "dpsgd"], "--channels: the cnn needs at least one width"),
+    # settings a baseline would not read were dropped, and the run reported as if it had them
+    (["--strategy", "per_layer", "--method", "dpsgd"], "--strategy is an option of clipless training"),
+    (["--adaptive-clip-quantile", "0.5", "--method", "dpsgd"], "--adaptive-clip-quantile is an option of clipless"),
+    (["--adaptive-clip-quantile", "0.5", "--count-noise-multiplier", "3", "--method", "nonprivate"],
+     "--adaptive-clip-quantile is an option of clipless training, not of --method nonprivate"),
+    (["--loss", "hinge", "--method", "dpsgd"], "--loss is an option of clipless training"),
+    (["--tau", "8", "--method", "nonprivate"], "--tau is an option of clipless training"),
+    (["--loss-grad-clip", "0.5", "--method", "dpsgd"], "--loss-grad-clip is an option of clipless training"),
+    (["--no-loss-grad-clip", "--method", "dpsgd"], "--loss-grad-clip is an option of clipless training"),
+    (["--input-clip", "1", "--method", "dpsgd"], "--input-clip is an option of clipless training"),
+    (["--activation", "groupsort4", "--method", "dpsgd"], "--activation is an option of clipless training"),
+    (["--augment-flip", "--method", "dpsgd"], "--augment-flip is an option of clipless training"),
+    (["--max-grad-norm", "0.5"], "--max-grad-norm is the clipping norm of --method dpsgd, not of --method clipless"),
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"

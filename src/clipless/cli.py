@@ -583,12 +583,24 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     if config["method"] != "clipless" and torch.distributed.is_initialized():
         raise SystemExit(f"--method {config['method']}: the baselines run in one process; only clipless training is "
                          "distributed")
+    # A setting the chosen method would not read is refused, not dropped: a baseline run "with" an adaptive clip,
+    # another loss or a per-layer strategy would be reported as if it had them.
     clipless_only = {"--augmult": config["augmult"] > 1, "--conv": config["conv"] != "lipschitz",
                      "--average-decay": config["average_decay"] is not None,
-                     "--layer-noise": config["layer_noise"] != "equal"}
+                     "--layer-noise": config["layer_noise"] != "equal",
+                     "--strategy": config["strategy"] != DEFAULTS["strategy"],
+                     "--adaptive-clip-quantile": config["adaptive_clip_quantile"] is not None,
+                     "--count-noise-multiplier": config["count_noise_multiplier"] is not None,
+                     "--loss": config["loss"] != DEFAULTS["loss"], "--tau": config["tau"] != DEFAULTS["tau"],
+                     "--loss-grad-clip": config["loss_grad_clip"] != DEFAULTS["loss_grad_clip"],
+                     "--input-clip": config["input_clip"] is not None,
+                     "--activation": config["activation"] != DEFAULTS["activation"],
+                     "--augment-flip": bool(config["augment_flip"])}
     for flag, used in clipless_only.items():
         if used and config["method"] != "clipless":
             raise SystemExit(f"{flag} is an option of clipless training, not of --method {config['method']}")
+    if config["method"] != "dpsgd" and config["max_grad_norm"] != DEFAULTS["max_grad_norm"]:
+        raise SystemExit(f"--max-grad-norm is the clipping norm of --method dpsgd, not of --method {config['method']}")
     _layer_noise(config)  # refuses an allocation without --strategy per_layer before any data is read
     if config["model"] != "mlp" and not config["channels"]:
         raise SystemExit(f"--channels: the {config['model']} needs at least one width, got none")
