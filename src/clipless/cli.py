@@ -760,6 +760,8 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
             check(value)
         except ValueError as err:
             raise SystemExit(f"{flag}: {err}") from None
+    if args.cross_term != "exact" and args.method != "logit_dp":  # read by Logit-DP's pair norms alone
+        raise SystemExit(f"--cross-term is an option of --method logit_dp, not of --method {args.method}")
     try:
         AugmentedPairs.check_settings(args.blur, args.pixel_noise)
     except ValueError as err:

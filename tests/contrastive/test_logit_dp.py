@@ -894,7 +894,9 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
                          (["--input-pool", "9"], "--encoder mlp: input_pool 9 needs image inputs"),  # digits: 8 x 8
                          (["--hidden", "--evaluate-layer", "representation"],
                           "--evaluate-layer representation: the representation layer is the encoder's input here"),
-                         (["--probe-labels", "10", "1000"], r"--probe-labels: at most \d+ per class")):
+                         (["--probe-labels", "10", "1000"], r"--probe-labels: at most \d+ per class"),
+                         (["--method", "naive_dp", "--cross-term", "cauchy_schwarz"],  # ran without it, silently
+                          "--cross-term is an option of --method logit_dp, not of --method naive_dp")):
         with pytest.raises(SystemExit, match=match):
             cli_main(["pretrain", *flags, "--output-dir", str(tmp_path / "bad")])
         assert not (tmp_path / "bad").exists()
