@@ -17,6 +17,9 @@ varies by about +-15% from one process to the next, so single-process ratios are
   ghost      Opacus DP-SGD with ghost clipping (grad_sample_mode="ghost": per-example norms without
              per-example gradients, two backward passes), where the installed Opacus has it
 
+On CUDA every method runs IEEE float32 convolutions (``torch.backends.cudnn.conv.fp32_precision = "ieee"``;
+cuDNN's default is TF32, which the private step refuses).
+
 Allocator (every method alike): ``tuned`` calls ``clipless.train.tune_cpu_allocator()`` in the worker, as the
 CLI does (glibc keeps freed blocks up to 32 MiB for the next step); ``system`` leaves glibc's defaults, which
 hand activation memory back to the OS and fault it in again each step.
@@ -145,8 +148,14 @@ def worker(method: str, model_name: str, batch: int, repeats: int, threads: int,
     use_allocator(allocator)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    step = _build(method, model_name, batch, device)
     cuda = device.startswith("cuda")
+    if cuda:  # every method in IEEE float32, the arithmetic the private step's bounds are certified for
+        conv = getattr(torch.backends.cudnn, "conv", None)
+        if conv is not None and hasattr(conv, "fp32_precision"):
+            conv.fp32_precision = "ieee"
+        else:  # torch before 2.9
+            torch.backends.cudnn.allow_tf32 = False
+    step = _build(method, model_name, batch, device)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -409,6 +409,48 @@ def test_reduced_precision_forwards_refused(how):
     assert engine.accountant.steps == 0
 
 
+@pytest.mark.parametrize("setting", ["matmul_precision_high", "mkldnn_matmul_bf16", "backends_tf32",
+                                     "mkldnn_conv_bf16"])
+def test_reduced_precision_products_refused(setting, monkeypatch):
+    """TF32 or bfloat16 internals of float32 products round like bfloat16 autocast (8x finer for TF32), which went
+    past the certified bound; cuDNN runs float32 convolutions in TF32 by default (benchmarks/precision.py --device
+    cuda).  Each setting that lowers the products the model runs is refused before anything is released; a
+    convolution setting does not concern a model without convolutions."""
+    from clipless.privacy import certified
+
+    mkldnn = torch.backends.mkldnn
+    if setting == "matmul_precision_high":
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    elif setting == "mkldnn_matmul_bf16":
+        monkeypatch.setattr(mkldnn, "matmul", type("M", (), {"fp32_precision": "bf16"})())
+    elif setting == "backends_tf32":
+        monkeypatch.setattr(torch.backends, "fp32_precision", "tf32", raising=False)
+    else:
+        monkeypatch.setattr(mkldnn, "conv", type("C", (), {"fp32_precision": "bf16"})())
+    conv = setting == "mkldnn_conv_bf16"
+    assert not (certified.ieee_convolutions if conv else certified.ieee_matmul)(torch.device("cpu"))
+    if conv:
+        shape = (1, 3, 3)
+        x = torch.rand(16, *shape)
+        x = x / x.flatten(1).norm(dim=1).reshape(-1, 1, 1, 1)
+        engine = cl.PrivacyEngine("rdp")
+        model = nn.Sequential(cl.LipschitzConv2d(1, 2, 3, padding=1), nn.Flatten(), cl.LipschitzLinear(18, 3))
+        model, opt, _ = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data=cl.ArrayDataset(x, torch.randint(0, 3, (16,))), loss=cl.TauCrossEntropy(2.0), noise_multiplier=1.0,
+            input_shape=shape, batch_size=4.0, input_bound=1.0, external_batches=True)
+        match = "convolutions on cpu run in reduced precision"
+    else:
+        model, opt, loss, engine, x, y = _setup()
+        match = "matrix products on cpu are set to reduced precision"
+    with pytest.raises(BoundError, match=match):
+        model(x)
+    assert engine.accountant.steps == 0
+    if conv:  # the same setting leaves a model without convolutions alone
+        mlp, _, _, _, x6, _ = _setup()
+        mlp(x6)
+
+
 def test_backward_of_a_forward_from_before_the_step_refused():
     model, opt, loss, engine, x, y = _setup()
     # saved tensors are copied on mutation, so autograd's own version check stays silent

@@ -43,6 +43,8 @@ class LipschitzConv2d(BoundedModule):
     ``sqrt(s) ||W_mat||_2 <= 1``.
     """
 
+    runs_convolutions = True  # the input guard checks that float32 convolutions are IEEE (not TF32)
+
     constants = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "padding_mode", "operator_norm",
                  "projection", "bias_bound", "overlap")
 
@@ -198,6 +200,8 @@ class OrthogonalConv2d(BoundedModule):
     ``train_projectors=False`` keeps the ``Q_i`` fixed (buffers): the noise then goes to ``H`` alone, whose bound is
     much closer to its gradients than the ``Q_i``'s (docs/results.md).
     """
+
+    runs_convolutions = True  # the input guard checks that float32 convolutions are IEEE (not TF32)
 
     constants = ("in_channels", "out_channels", "kernel_size", "padding_mode")
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 __all__ = ["CERT_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm", "bjorck_residual",
-           "certified_bjorck_step", "CertifiedValueCache", "ieee_matmul"]
+           "certified_bjorck_step", "CertifiedValueCache", "ieee_matmul", "ieee_convolutions"]
 
 # Relative safety margin applied to norms computed in float64 from float32
 # weights: float64 SVD is backward-stable to ~1e-15 relative, so 1e-9 is a
@@ -70,19 +70,54 @@ def _gamma(k: int, unit_roundoff: float) -> float:
     return ku / (1.0 - ku)
 
 
+def _fp32_precision(*backends: Any) -> str:
+    """The first ``fp32_precision`` set along a backend's chain (operator, backend, ``torch.backends``): ``"none"``
+    on a level means "as the level above"; ``"none"`` at every level (or no such attribute) is returned as is."""
+    for backend in backends:
+        value = getattr(backend, "fp32_precision", "none") if backend is not None else "none"
+        if value != "none":
+            return value
+    return "none"
+
+
 def ieee_matmul(device: torch.device) -> bool:
     """Whether float32 matrix products on ``device`` are IEEE float32 (no TF32 or bfloat16 internals)."""
-    if torch.get_float32_matmul_precision() != "highest":
+    try:
+        if torch.get_float32_matmul_precision() != "highest":
+            return False
+    except RuntimeError:  # torch refuses to read the legacy setting once the new API set mixed values
         return False
     if device.type == "cuda":
         backend = torch.backends.cuda.matmul
-        if getattr(backend, "allow_tf32", False):
+        try:
+            if getattr(backend, "allow_tf32", False):
+                return False
+        except RuntimeError:  # torch refuses to read the legacy flag once the new API set mixed values
             return False
-    elif device.type == "cpu":
-        backend = getattr(torch.backends.mkldnn, "matmul", None)
-    else:
-        return False
-    return getattr(backend, "fp32_precision", "none") in ("none", "ieee")
+        return _fp32_precision(backend, torch.backends) in ("none", "ieee")
+    if device.type == "cpu":
+        mkldnn = torch.backends.mkldnn
+        return _fp32_precision(getattr(mkldnn, "matmul", None), mkldnn, torch.backends) in ("none", "ieee")
+    return False
+
+
+def ieee_convolutions(device: torch.device) -> bool:
+    """Whether float32 convolutions on ``device`` are IEEE float32.  On CUDA, cuDNN runs them in TF32 (10-bit
+    mantissa) unless told otherwise: ``torch.backends.cudnn.conv.fp32_precision = "ieee"`` (or, before torch 2.9,
+    ``torch.backends.cudnn.allow_tf32 = False``)."""
+    if device.type == "cuda":
+        cudnn = torch.backends.cudnn
+        conv = getattr(cudnn, "conv", None)
+        if conv is not None and hasattr(conv, "fp32_precision"):
+            return _fp32_precision(conv, cudnn, torch.backends) == "ieee"
+        try:
+            return not cudnn.allow_tf32
+        except RuntimeError:
+            return False
+    if device.type == "cpu":
+        mkldnn = torch.backends.mkldnn
+        return _fp32_precision(getattr(mkldnn, "conv", None), mkldnn, torch.backends) in ("none", "ieee")
+    return False
 
 
 @torch.no_grad()

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .certified import BoundError
+from .certified import BoundError, ieee_convolutions, ieee_matmul
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
@@ -236,6 +236,26 @@ def check_precision(module: nn.Module, x: torch.Tensor) -> None:
     if low:
         raise BoundError(f"the private model's input or weights are {low[0]}: the per-example bounds are certified "
                          "for float32 or float64 arithmetic only; keep the model and its inputs in float32 or float64")
+    # TF32 (10-bit mantissa) products: the same kind of rounding as bfloat16's, 8 times finer
+    # (benchmarks/precision.py --device cuda measures it)
+    device = x.device
+    if device.type in ("cpu", "cuda") and not ieee_matmul(device):
+        raise BoundError(f"float32 matrix products on {device.type} are set to reduced precision (TF32 or "
+                         "bfloat16 internals, torch.set_float32_matmul_precision or a backend's fp32_precision): the "
+                         "per-example bounds are certified for IEEE float32; call "
+                         "torch.set_float32_matmul_precision('highest') and leave fp32_precision at 'ieee' for "
+                         "private training")
+    if device.type in ("cpu", "cuda") and not ieee_convolutions(device) and _runs_convolutions(module):
+        raise BoundError(f"float32 convolutions on {device.type} run in reduced precision (cuDNN's TF32 default on "
+                         "CUDA): the per-example bounds are certified for IEEE float32; set "
+                         "torch.backends.cudnn.conv.fp32_precision = 'ieee' (torch.backends.mkldnn.conv on the CPU) "
+                         "for private training")
+
+
+def _runs_convolutions(module: nn.Module) -> bool:
+    """torch's convolutions, or a layer that declares it runs one (``runs_convolutions = True``)."""
+    return any(isinstance(m, nn.modules.conv._ConvNd) or getattr(m, "runs_convolutions", False)
+               for m in module.modules())
 
 
 _CERTIFIED_DTYPES = (torch.float32, torch.float64)
