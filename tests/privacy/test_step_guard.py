@@ -423,7 +423,9 @@ def test_reduced_precision_products_refused(setting, monkeypatch):
         monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     elif setting == "mkldnn_matmul_bf16":
         monkeypatch.setattr(mkldnn, "matmul", type("M", (), {"fp32_precision": "bf16"})())
-    elif setting == "backends_tf32":
+    elif setting == "backends_tf32":  # the global setting reaches matmuls whose own levels say "none"
+        monkeypatch.setattr(mkldnn, "matmul", type("M", (), {"fp32_precision": "none"})())
+        monkeypatch.setattr(mkldnn, "fp32_precision", "none", raising=False)
         monkeypatch.setattr(torch.backends, "fp32_precision", "tf32", raising=False)
     else:
         monkeypatch.setattr(mkldnn, "conv", type("C", (), {"fp32_precision": "bf16"})())
