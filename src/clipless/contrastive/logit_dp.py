@@ -861,7 +861,8 @@ def _gram_terms(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, method: 
 
 def _jacobian_terms_all_parameters(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor, chunk: Optional[int],
                                    cross_term: str = "exact"):
-    """``A + 2C + B`` and its rounding bound from the float64 Jacobians of all parameters (any encoder)."""
+    """``A + 2C + B`` and its rounding bound from the Jacobians of all parameters (any encoder), held in float64;
+    the bound is at the encoder's precision, which the Jacobians were computed in."""
     with torch.no_grad():
         u, v = normalized_embedding(encoder, xa), normalized_embedding(encoder, xb)
     working = u.dtype if torch.finfo(u.dtype).eps > torch.finfo(v.dtype).eps else v.dtype
