@@ -315,3 +315,30 @@ def test_a_genuine_checkpointed_certificate_is_kept_at_every_step_of_training() 
         copy = LipschitzLinear(64, 64)
         copy.load_state_dict(layer.state_dict())
         assert copy.layer_bound(1.0, (64,)).lipschitz == bound >= _true_norm(layer.weight)
+
+
+def test_cuda_precision_settings_are_read_as_torch_applies_them():
+    """The CUDA branches of ``ieee_convolutions`` / ``ieee_matmul`` (checked without a GPU: they read settings only).
+    cuDNN's convolutions default to TF32; an explicit "ieee" at the operator wins over the levels above it, and a
+    "none" inherits from them; TF32 matrix products come from the operator's setting or the legacy flag."""
+    from clipless.privacy.certified import ieee_convolutions, ieee_matmul
+
+    cuda = torch.device("cuda")
+    conv = torch.backends.cudnn.conv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conv, "fp32_precision", "tf32")
+        assert not ieee_convolutions(cuda)  # torch's default
+        mp.setattr(conv, "fp32_precision", "ieee")
+        assert ieee_convolutions(cuda)
+        mp.setattr(conv, "fp32_precision", "none")
+        mp.setattr(torch.backends.cudnn, "fp32_precision", "ieee", raising=False)
+        assert ieee_convolutions(cuda)  # inherited
+        mp.setattr(torch.backends.cudnn, "fp32_precision", "tf32", raising=False)
+        assert not ieee_convolutions(cuda)
+    for allow_tf32, precision, ieee in ((False, "ieee", True), (False, "none", True), (False, "tf32", False),
+                                        (True, "none", False)):
+        with pytest.MonkeyPatch.context() as mp:
+            fake = type("Matmul", (), {"allow_tf32": allow_tf32, "fp32_precision": precision})()
+            mp.setattr(torch.backends.cuda, "matmul", fake)
+            assert ieee_matmul(cuda) is ieee, (allow_tf32, precision)
+    assert not ieee_matmul(torch.device("mps")) and not ieee_convolutions(torch.device("mps"))  # not known: not IEEE
