@@ -53,7 +53,8 @@ def main() -> None:
     parser.add_argument("--out", default="results/cuda_checks.json")
     args = parser.parse_args()
     device = args.device
-    record = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", "torch": torch.__version__}
+    record = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+              "torch": torch.__version__}
     torch.manual_seed(0)
     cnn = cl.lipschitz_cnn((1, 12, 12), 10, channels=(8, 16), input_clip=1.0)
     mlp = cl.lipschitz_mlp((1, 12, 12), 10, hidden=(64,), input_clip=1.0)
