@@ -790,6 +790,22 @@ def test_a_pretraining_resume_on_other_records_is_refused(tmp_path) -> None:
     assert pairs.fingerprint() != GivenPairs(torch.ones(3, 2), torch.zeros(3, 2)).fingerprint()
 
 
+def test_a_pretraining_resume_with_other_settings_names_what_they_change(tmp_path) -> None:
+    """A resume whose options change a privacy setting is refused; the message said only "sigma=...", which a user
+    who changed the target epsilon or the clip norm could not map back to an option."""
+    first = _trainer("naive_dp", epochs=1, target_epsilon=2.0, noise_multiplier=None)
+    first.fit()
+    first.save_checkpoint(tmp_path / "c.pt")
+    for kw, match in ((dict(target_epsilon=3.0, noise_multiplier=None), "sigma=.*calibrated from the target epsilon"),
+                      (dict(target_epsilon=2.0, noise_multiplier=None, clip_norm=2.0),
+                       "sensitivity=.*follows the clip norm"),
+                      (dict(target_epsilon=2.0, noise_multiplier=None, batch_size=64),
+                       "(sigma|sample_rate)=.*(target epsilon|batch size)")):
+        with pytest.raises(ValueError, match=match):
+            _trainer("naive_dp", epochs=1, **kw).load_checkpoint(tmp_path / "c.pt")
+    _trainer("naive_dp", epochs=1, target_epsilon=2.0, noise_multiplier=None).load_checkpoint(tmp_path / "c.pt")
+
+
 @pytest.mark.parametrize("seed", [None, 0])
 def test_copies_of_a_pretrainer_draw_their_own_noise_and_batches(seed) -> None:
     """``copy.deepcopy`` of a pre-trainer (two forks of a run, say for a learning-rate search): before, the copy

@@ -124,6 +124,15 @@ def _check_state_unchanged(encoder: nn.Module, before: Dict[str, torch.Tensor]) 
                          "it and restored the encoder (only the noisy optimizer step may change it)")
 
 
+# The options a resumed run may have changed without knowing it changed a privacy setting
+_SETTINGS_BEHIND = {
+    "sigma": " (sigma is calibrated from the target epsilon, the epochs and the batch size, or given)",
+    "sensitivity": " (the sensitivity follows the clip norm, the temperature and the loss)",
+    "sample_rate": " (the batch size over the number of pairs)",
+    "max_steps": " (the steps a fixed sigma allows within the target epsilon)",
+}
+
+
 class ContrastivePretrainer:
     """Pre-train ``encoder`` on the positive pairs ``pairs`` with ``method`` in ``METHODS``.
 
@@ -357,7 +366,7 @@ class ContrastivePretrainer:
         for key, mine in self._privacy_config().items():
             if saved.get(key) != mine:
                 raise ValueError(f"checkpoint {path} was trained with {key}={saved.get(key)!r}, not {mine!r}: resume "
-                                 "with the same privacy configuration")
+                                 f"with the same privacy configuration{_SETTINGS_BEHIND.get(key, '')}")
         if saved.get("train_data") is not None:  # absent from checkpoints of earlier versions
             check_records(path, "train_data", saved["train_data"], self._data_fingerprint, read_fingerprint_key(path),
                           "in the same order")
