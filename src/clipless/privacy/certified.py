@@ -80,25 +80,30 @@ def _fp32_precision(*backends: Any) -> str:
     return "none"
 
 
+def _reduced(read: Callable[[], Any]) -> bool:
+    """A legacy precision setting's answer ("reduced precision?"); torch refuses to read one once the new API has set
+    mixed values, which is read as reduced."""
+    try:
+        return bool(read())
+    except RuntimeError:
+        return True
+
+
+def _mkldnn_ieee(operator: str) -> bool:
+    mkldnn = torch.backends.mkldnn
+    return _fp32_precision(getattr(mkldnn, operator, None), mkldnn, torch.backends) in ("none", "ieee")
+
+
 def ieee_matmul(device: torch.device) -> bool:
     """Whether float32 matrix products on ``device`` are IEEE float32 (no TF32 or bfloat16 internals)."""
-    try:
-        if torch.get_float32_matmul_precision() != "highest":
-            return False
-    except RuntimeError:  # torch refuses to read the legacy setting once the new API set mixed values
+    if _reduced(lambda: torch.get_float32_matmul_precision() != "highest"):
         return False
     if device.type == "cuda":
         backend = torch.backends.cuda.matmul
-        try:
-            if getattr(backend, "allow_tf32", False):
-                return False
-        except RuntimeError:  # torch refuses to read the legacy flag once the new API set mixed values
+        if _reduced(lambda: getattr(backend, "allow_tf32", False)):
             return False
         return _fp32_precision(backend, torch.backends) in ("none", "ieee")
-    if device.type == "cpu":
-        mkldnn = torch.backends.mkldnn
-        return _fp32_precision(getattr(mkldnn, "matmul", None), mkldnn, torch.backends) in ("none", "ieee")
-    return False
+    return device.type == "cpu" and _mkldnn_ieee("matmul")
 
 
 def ieee_convolutions(device: torch.device) -> bool:
@@ -110,14 +115,8 @@ def ieee_convolutions(device: torch.device) -> bool:
         conv = getattr(cudnn, "conv", None)
         if conv is not None and hasattr(conv, "fp32_precision"):
             return _fp32_precision(conv, cudnn, torch.backends) == "ieee"
-        try:
-            return not cudnn.allow_tf32
-        except RuntimeError:
-            return False
-    if device.type == "cpu":
-        mkldnn = torch.backends.mkldnn
-        return _fp32_precision(getattr(mkldnn, "conv", None), mkldnn, torch.backends) in ("none", "ieee")
-    return False
+        return not _reduced(lambda: cudnn.allow_tf32)
+    return device.type == "cpu" and _mkldnn_ieee("conv")
 
 
 @torch.no_grad()

@@ -239,13 +239,15 @@ def check_precision(module: nn.Module, x: torch.Tensor) -> None:
     # TF32 (10-bit mantissa) products: the same kind of rounding as bfloat16's, 8 times finer
     # (benchmarks/precision.py --device cuda measures it)
     device = x.device
-    if device.type in ("cpu", "cuda") and not ieee_matmul(device):
+    if device.type not in ("cpu", "cuda"):  # no known precision settings to read
+        return
+    if not ieee_matmul(device):
         raise BoundError(f"float32 matrix products on {device.type} are set to reduced precision (TF32 or "
                          "bfloat16 internals, torch.set_float32_matmul_precision or a backend's fp32_precision): the "
                          "per-example bounds are certified for IEEE float32; call "
                          "torch.set_float32_matmul_precision('highest') and leave fp32_precision at 'ieee' for "
                          "private training")
-    if device.type in ("cpu", "cuda") and not ieee_convolutions(device) and _runs_convolutions(module):
+    if not ieee_convolutions(device) and _runs_convolutions(module):
         raise BoundError(f"float32 convolutions on {device.type} run in reduced precision (cuDNN's TF32 default on "
                          "CUDA): the per-example bounds are certified for IEEE float32; set "
                          "torch.backends.cudnn.conv.fp32_precision = 'ieee' (torch.backends.mkldnn.conv on the CPU) "
