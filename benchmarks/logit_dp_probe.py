@@ -137,7 +137,8 @@ def main() -> None:
             raise SystemExit(f"--validation must be in 1..{n - 1}, got {args.validation}")
         x, y = data.train.features, data.train.labels
         cut = n - args.validation
-        data = DataSplit(ArrayDataset(x[:cut], y[:cut]), ArrayDataset(x[cut:], y[cut:]), data.name + "-validation")
+        data = DataSplit(ArrayDataset(x[:cut], y[:cut]), ArrayDataset(x[cut:], y[cut:]), data.name + "-validation",
+                         data.coordinate_bound)
     runs = []
     for seed in args.seeds:
         for method in args.methods:

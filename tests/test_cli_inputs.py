@@ -152,6 +152,19 @@ def test_single_class_dataset_refused(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("stem", ["digits", "mnist", "cifar10", "imagefolder", "table"])
+def test_tabular_file_needs_an_input_clip_whatever_its_name(tmp_path, stem):
+    """The pixel bound sqrt(dim) comes from the image loaders, not the file's name: a tabular file called digits.npz
+    (norms up to 300 here) once got it and trained against a bound its data broke."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / f"{stem}.npz"
+    np.savez(path, X=rng.normal(size=(300, 5)) * 50, y=np.arange(300) % 2)
+    out = tmp_path / "run"
+    _refused(["train", "--dataset", str(path), *FAST, "--output-dir", str(out)],
+             r"tabular data has no fixed norm bound: pass --input-clip C")
+    assert not out.exists()
+
+
 def test_one_dimensional_tabular_features_refused(tmp_path):
     path = _npz(tmp_path, np.arange(50.0), np.arange(50) % 2)
     _refused(["train", "--dataset", str(path), "--input-clip", "1", *FAST, "--output-dir", str(tmp_path / "o")],

@@ -520,9 +520,8 @@ def _build_clipless(config: Dict[str, Any], data: Any, shape: Tuple[int, ...]) -
     if config["input_clip"] is None:
         if config["features"] == "scattering":
             input_bound = 1.0  # every feature vector has norm exactly 1 (or 0)
-        # every coordinate in [-1, 1]: pixels in [0, 1], and also after any colour-space map (|U|, |V| <= 0.615)
-        elif data.name.split("+")[0] in ("digits", "mnist", "idx", "cifar10", "imagefolder"):
-            input_bound = float(torch.tensor(shape).prod().sqrt())
+        elif data.coordinate_bound is not None:  # set by the image loaders, never by a file's name
+            input_bound = data.coordinate_bound * float(torch.tensor(shape).prod().sqrt())
         else:
             raise SystemExit("tabular data has no fixed norm bound: pass --input-clip C")
     return model, loss, optimizer, input_bound

@@ -124,9 +124,14 @@ class ArrayDataset(Dataset):
 
 @dataclass
 class DataSplit:
+    """A train/test pair.  ``coordinate_bound``: every input coordinate lies in ``[-b, b]`` by the loader's own
+    construction (images: pixels in [0, 1]), so ``b sqrt(dim)`` is a data-independent input bound; ``None``
+    (tabular files) when nothing bounds the data."""
+
     train: ArrayDataset
     test: ArrayDataset
     name: str
+    coordinate_bound: Optional[float] = None
 
     @property
     def input_shape(self) -> Tuple[int, ...]:
@@ -213,7 +218,8 @@ def convert_split_colour_space(split: "DataSplit", space: str) -> "DataSplit":
     if space == "rgb":
         return split
     convert = lambda ds: ArrayDataset(convert_colour_space(ds.features, space), ds.labels)  # noqa: E731
-    return DataSplit(convert(split.train), convert(split.test), f"{split.name}+{space}")
+    return DataSplit(convert(split.train), convert(split.test), f"{split.name}+{space}",
+                     split.coordinate_bound)  # HSV lies in [0, 1], YUV in [-0.615, 1]
 
 
 def input_norms(x: torch.Tensor) -> torch.Tensor:
@@ -243,7 +249,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplit:
     bunch = sk_digits()
     x = bunch.data.astype(np.float32) / 16.0
     xtr, xte, ytr, yte = _split(x, bunch.target, test_fraction, seed)
-    return DataSplit(_to_dataset(xtr, ytr, (1, 8, 8)), _to_dataset(xte, yte, (1, 8, 8)), "digits")
+    return DataSplit(_to_dataset(xtr, ytr, (1, 8, 8)), _to_dataset(xte, yte, (1, 8, 8)), "digits", 1.0)
 
 
 def write_idx(path: Union[str, Path], array: np.ndarray) -> None:
@@ -332,7 +338,7 @@ def load_idx_images(data_dir: Union[str, Path], name: str = "idx", image_shape: 
         if images.dtype != np.uint8:  # the [0, 1] scale (and so the pixel input bound) assumes bytes
             raise ValueError(f"{image_file} holds {images.dtype} pixels; grayscale IDX images are unsigned bytes")
         parts.append(_to_dataset(images.astype(np.float32) / 255.0, labels.astype(np.int64), (1,) + images.shape[1:]))
-    return DataSplit(parts[0], parts[1], name)
+    return DataSplit(parts[0], parts[1], name, 1.0)
 
 
 def load_mnist(data_dir: Union[str, Path]) -> DataSplit:
@@ -396,7 +402,7 @@ def load_cifar10(data_dir: Union[str, Path]) -> DataSplit:
     test = _cifar_batch(d / "test_batch")
     x = np.concatenate([b[0] for b in train])
     y = np.concatenate([b[1] for b in train])
-    return DataSplit(_to_dataset(x, y), _to_dataset(*test), "cifar10")
+    return DataSplit(_to_dataset(x, y), _to_dataset(*test), "cifar10", 1.0)
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".tif", ".tiff", ".webp")
@@ -452,7 +458,7 @@ def load_image_folder(data_dir: Union[str, Path], colour: bool = True, image_siz
     else:
         x, y = _read_images(d, classes, mode, image_size)
         xtr, xte, ytr, yte = _split(x, y, test_fraction, seed)
-    return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), "imagefolder")
+    return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), "imagefolder", 1.0)
 
 
 def load_tabular(
