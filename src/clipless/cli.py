@@ -293,7 +293,10 @@ def _parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("pretrain", help="private contrastive/spreadout pre-training (Logit-DP, Naive-DP, "
                          "non-private); prints kNN accuracy and epsilon, writes result.json")
     pre.add_argument("--method", choices=["logit_dp", "naive_dp", "nonprivate"], default="logit_dp")
-    pre.add_argument("--loss", choices=["contrastive", "spreadout"], default="contrastive")
+    pre.add_argument("--loss", choices=["contrastive", "spreadout", "spectral"], default="contrastive",
+                     help="contrastive (InfoNCE; Logit-DP sensitivity 2 (B/tau)(1 + e^(2/tau))), spectral (HaoChen "
+                     "et al.: -2 Z_ii + the mean of Z_ij^2 over the other pairs; sensitivity (2B/tau)(1 + 3/tau), "
+                     "so small temperatures stay affordable) or spreadout (tau = 1 only)")
     pre.add_argument("--dataset", choices=["digits", "mnist"], default="digits")
     pre.add_argument("--data-dir", help="directory with the MNIST IDX .gz files")
     pre.add_argument("--encoder", choices=["mlp", "cnn"], default="mlp")

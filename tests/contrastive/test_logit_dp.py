@@ -409,7 +409,8 @@ def test_unknown_layers_refuse_the_factored_path() -> None:
         pair_gradient_norms(enc, xa, xb, method="factored")
 
 
-@pytest.mark.parametrize("loss,tau", [("contrastive", 1.0), ("contrastive", 0.3), ("spreadout", 1.0)])
+@pytest.mark.parametrize("loss,tau", [("contrastive", 1.0), ("contrastive", 0.3), ("spreadout", 1.0),
+                                      ("spectral", 1.0), ("spectral", 0.25)])
 @pytest.mark.parametrize("clip", [1e-3, 0.2, 1e3])
 def test_lambda_gradient_equals_sum_of_clipped_pair_gradients(loss: str, tau: float, clip: float) -> None:
     enc = _mlp(1, act=nn.ReLU, scale=2.0)
@@ -421,9 +422,9 @@ def test_lambda_gradient_equals_sum_of_clipped_pair_gradients(loss: str, tau: fl
         a = logit_gradient(similarity_logits(normalized_embedding(enc, xa), normalized_embedding(enc, xb), tau), loss)
     expected = sum(a[i, j] * brute[i, j] * min(1.0, clip / float(brute[i, j].norm()))
                    for i in range(n) for j in range(n)) / tau
-    for method in ("factored", "jacobian"):
+    for method in ("factored", "jacobian"):  # coefficients up to 2 / tau^2 (spectral): cancellations scale so
         logit_dp_gradient(enc, xa, xb, loss, tau, clip, method=method)
-        torch.testing.assert_close(_grad_vector(enc), expected, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(_grad_vector(enc), expected, rtol=1e-9, atol=1e-12 / min(1.0, tau) ** 2)
     if clip > 1e2:  # nothing clipped: gbar is the ordinary loss gradient
         for p in enc.parameters():
             p.grad = None
@@ -464,7 +465,7 @@ def _gbar(enc: nn.Module, xa: torch.Tensor, xb: torch.Tensor, loss: str, tau: fl
 
 
 @pytest.mark.parametrize("loss,tau", [("contrastive", 1.0), ("contrastive", 0.5), ("contrastive", 2.0),
-                                      ("spreadout", 1.0)])
+                                      ("spreadout", 1.0), ("spectral", 1.0), ("spectral", 0.125)])
 def test_sensitivity_holds_for_every_removed_pair(loss: str, tau: float) -> None:
     """||gbar(X) - gbar(X minus pair k)|| <= Delta(n) over random batches, models and every k (the worst k
     is the adversarial choice), including tiny B (everything clipped), large weights and repeated inputs."""
@@ -500,6 +501,8 @@ def test_contrastive_sensitivity_values() -> None:
     # the 1/tau factor the reference code omits: tau = 0.2 multiplies the per-pair scale by 5
     assert logit_dp_sensitivity(1.0, 0.2, batch_size=1) == pytest.approx(10.0)
     assert logit_dp_sensitivity(2.0, 1.0, "spreadout") == 12.0
+    assert logit_dp_sensitivity(2.0, 1.0, "spectral") == 16.0  # spreadout's 6B and the pair's own -2
+    assert logit_dp_sensitivity(1.0, 0.5, "spectral") == pytest.approx(2 * 2 * (1 + 6))  # (2B/tau)(1 + 3/tau)
     assert naive_dp_sensitivity(3.0) == 6.0
     # a fixed batch's size is a whole number: 2.7 was truncated to 2, the bound of a smaller batch
     for bad in (2.7, 0, -3, True, "8"):
@@ -509,6 +512,33 @@ def test_contrastive_sensitivity_values() -> None:
         logit_dp_sensitivity(1.0, 0.5, "spreadout")
     with pytest.raises(ValueError, match="positive"):
         logit_dp_sensitivity(0.0, 1.0)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.5, 0.125, 0.01])
+def test_spectral_coefficients_reach_and_never_exceed_the_sensitivity(tau: float) -> None:
+    """||gbar(X) - gbar(X - k)|| <= (B/tau) (sum_j |a_kj| + sum_(i != k) |a_ik| + sum_(i, j != k) |a_ij - a'_ij|)
+    whatever the clipped pair gradients (each of norm <= B).  That coefficient sum is at most 2 + 6/tau for every
+    n and every Z in [-1/tau, 1/tau] (random, extreme, and rounded a few ulps past 1/tau), and equals it when
+    every |Z| = 1/tau and n >= 3: the constant cannot be lowered."""
+    gen = torch.Generator().manual_seed(3)
+    limit = 2.0 + 6.0 / tau
+    assert logit_dp_sensitivity(1.0, tau, "spectral") == pytest.approx(limit / tau, rel=1e-15)
+    reached = 0.0
+    for n in (1, 2, 3, 5, 64, 1024):
+        for kind in ("random", "extreme", "over"):
+            z = (2 * torch.rand(n, n, generator=gen, dtype=torch.float64) - 1) / tau
+            if kind != "random":
+                z = torch.sign(z) / tau
+            if kind == "over":  # a cosine of normalized float32 vectors can round above 1
+                z = z * (1 + 4e-7)
+            a = logit_gradient(z, "spectral", tau)
+            for k in {0, n // 2, n - 1}:
+                keep = [i for i in range(n) if i != k]
+                rest = logit_gradient(z[keep][:, keep], "spectral", tau)
+                moved = a[k].abs().sum() + a[keep, k].abs().sum() + (a[keep][:, keep] - rest).abs().sum()
+                assert float(moved) <= limit * (1 + 1e-12), (n, kind, k, float(moved))
+                reached = max(reached, float(moved) / limit)
+    assert reached == pytest.approx(1.0, rel=1e-12)
 
 
 @pytest.mark.parametrize("tau", [1.0, 0.5, 0.2, 0.05, 0.01, 0.004])
@@ -922,6 +952,22 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
         assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize("method", ["logit_dp", "naive_dp"])
+def test_cli_pretrain_spectral_loss_at_a_small_temperature(tmp_path, method) -> None:
+    """The spectral loss keeps its sensitivity polynomial in 1/tau: tau = 0.125 calibrates to the target with a
+    finite sigma (the contrastive loss's 2 (B/tau)(1 + e^16) would make the noise useless), and the result says
+    which loss and sensitivity it used."""
+    import json
+
+    out = tmp_path / method
+    assert cli_main(["pretrain", "--method", method, "--loss", "spectral", "--tau", "0.125", "--epochs", "1",
+                     "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8", "--accountant", "rdp",
+                     "--no-progress", "--output-dir", str(out)]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["epsilon"] <= 5.0 and result["config"]["loss"] == "spectral"
+    assert result["sensitivity"] == pytest.approx(2 / 0.125 * (1 + 3 / 0.125) if method == "logit_dp" else 2.0)
+
+
 def test_cli_pretrain_cnn_encoder_takes_the_factored_path(tmp_path, capsys, monkeypatch) -> None:
     """`clipless pretrain --encoder cnn` clips with the factored pair norms (conv Jacobian blocks beside the
     Linear factors), not the all-parameter Jacobian path; `--cross-term cauchy_schwarz` bounds the conv block's
@@ -1159,7 +1205,8 @@ def test_tail_path_at_large_batches_on_sampled_pairs(n: int) -> None:
         assert float(factor[i, j]) * true <= clip * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("loss,tau", [("contrastive", 0.5), ("contrastive", 2.0), ("spreadout", 1.0)])
+@pytest.mark.parametrize("loss,tau", [("contrastive", 0.5), ("contrastive", 2.0), ("spreadout", 1.0),
+                                      ("spectral", 0.125)])
 def test_sensitivity_holds_at_batch_1024(loss: str, tau: float) -> None:
     """Add/remove one pair from a batch of 1024 (the removed pair chosen adversarially: the largest row of
     clipped weights, an identical-view pair and a repeated example) moves gbar by at most the bound."""

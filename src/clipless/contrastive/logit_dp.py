@@ -87,9 +87,19 @@ def spreadout_loss(z: torch.Tensor) -> torch.Tensor:
     return (off**2).sum() / (n - 1)
 
 
+def spectral_loss(z: torch.Tensor) -> torch.Tensor:
+    """Spectral contrastive loss (HaoChen et al., 2021): ``sum_i (-2 Z_ii + sum_{j != i} Z_ij^2 / (n - 1))``.
+
+    On ``Z = cos / tau`` it is ``tau^-2`` times ``-2 tau cos_ii + sum cos_ij^2 / (n - 1)``: a smaller ``tau``
+    weighs pushing other pairs apart more, as the contrastive temperature does, but its coefficients stay
+    polynomial in ``1/tau`` (no softmax), and so does the Logit-DP sensitivity."""
+    return -2.0 * torch.diagonal(z).sum() + spreadout_loss(z)
+
+
 LOSS_FUNCTIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "contrastive": contrastive_loss,
     "spreadout": spreadout_loss,
+    "spectral": spectral_loss,
 }
 CONTRASTIVE_LOSSES = tuple(LOSS_FUNCTIONS)
 
@@ -103,16 +113,19 @@ def _check_loss(loss: str, tau: float) -> None:
         raise ValueError("the spreadout sensitivity 6B (spec §4) holds for tau = 1 only")
 
 
-def logit_gradient(z: torch.Tensor, loss: str) -> torch.Tensor:
-    """``a_ij = dL/dZ_ij``: ``softmax(Z)_ij - [i == j]`` (contrastive), ``2 Z_ij / (n-1)``, ``j != i`` (spreadout)."""
+def logit_gradient(z: torch.Tensor, loss: str, tau: Optional[float] = None) -> torch.Tensor:
+    """``a_ij = dL/dZ_ij``: ``softmax(Z)_ij - [i == j]`` (contrastive); ``2 Z_ij / (n-1)``, ``j != i`` (spreadout),
+    and ``-2`` on the diagonal (spectral).  With ``tau``, the polynomial losses' ``Z`` is first clamped to
+    ``[-1/tau, 1/tau]`` in float64: their sensitivities assume ``|cos| <= 1``, which rounding can break by ulps."""
     n = z.shape[0]
     z = z.detach()
+    if tau is not None and loss != "contrastive":
+        z = z.double().clamp(-1.0 / tau, 1.0 / tau)
     if loss == "contrastive":
         return torch.softmax(z, dim=1) - torch.eye(n, dtype=z.dtype, device=z.device)
-    if loss == "spreadout":
-        if n <= 1:
-            return torch.zeros_like(z)
-        return 2.0 * (z - torch.diag_embed(torch.diagonal(z))) / (n - 1)
+    if loss in ("spreadout", "spectral"):
+        off = torch.zeros_like(z) if n <= 1 else 2.0 * (z - torch.diag_embed(torch.diagonal(z))) / (n - 1)
+        return off - 2.0 * torch.eye(n, dtype=z.dtype, device=z.device) if loss == "spectral" else off
     raise ValueError(f"loss must be one of {CONTRASTIVE_LOSSES}, got {loss!r}")
 
 
@@ -129,12 +142,21 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
     at most ``2``, column ``k`` by ``sum_i p_ik <= (n-1) q_n``, and renormalizing the other rows' softmax
     by another ``(n-1) q_n``.  ``(n-1) q_n`` increases to ``e^{2/tau}``, so with ``batch_size=None`` (Poisson
     batches, whose size is not public) the bound for every ``n`` is ``2 (B/tau)(1 + e^{2/tau})``.
-    Spreadout (``tau = 1``): ``6 B`` for every ``n``.
+    Spreadout (``tau = 1``): ``6 B`` for every ``n``.  Spectral: ``(2B/tau)(1 + 3/tau)`` for every ``n`` (``8 B``
+    at ``tau = 1``).
     """
     _check_loss(loss, tau)
     _check_clip_norm(clip_norm, "B")
     if loss == "spreadout":
         return 6.0 * clip_norm
+    if loss == "spectral":
+        # gbar = sum_ij a_ij Clip_B(g_ij) / tau, |Z| <= 1/tau. Pair k's row: |a_kk| = 2 and sum_j |a_kj| <= 2/tau;
+        # its column: 2/tau; the other rows' 1/(n-1) -> 1/(n-2): sum |2 Z_ij| (1/(n-2) - 1/(n-1)) <= 2/tau over
+        # (n-1)(n-2) pairs; the other diagonals do not move.  Every n (a Poisson batch's size is not public).
+        value = (clip_norm / tau) * (2.0 + 6.0 / tau)
+        if not math.isfinite(value):
+            raise ValueError(f"the spectral Logit-DP sensitivity (2B/tau)(1 + 3/tau) overflows at tau = {tau:g}")
+        return value
     if batch_size is None:  # sup over n of (n-1) q_n
         column = math.exp(2.0 / tau) if 2.0 / tau < 709.0 else math.inf
     else:  # (n-1) q_n = (n-1) / (1 + (n-1) e^{-2/tau}), which cannot overflow
@@ -1003,7 +1025,7 @@ def logit_dp_gradient(
                              "state or draws random numbers cannot be trained with Logit-DP")
     _refuse_custom_functions([u, v])
     z = similarity_logits(u, v, tau)
-    a = logit_gradient(z, loss)
+    a = logit_gradient(z, loss, tau)
     weights = (a.double() * factor).to(z.dtype)
     grads = torch.autograd.grad((weights * z).sum(), list(leaves.values()), allow_unused=True)
     for p, g in zip(params, grads):
