@@ -44,14 +44,14 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
 
     torch.manual_seed(seed)
     encoder = build_encoder(args.encoder, data.input_shape, args.embedding_dim, hidden=args.hidden,
-                            channels=args.channels, input_pool=args.input_pool)  # the CLI's `clipless pretrain`
+                            channels=args.channels, input_pool=args.input_pool).to(args.device)  # as `clipless pretrain`
     start = time.perf_counter()
     out: dict = {"method": method, "seed": seed, "epsilon": None}
     if method != "untrained":
         pairs = AugmentedPairs(data.train.features, padding=args.crop_padding, flip=False, seed=seed, blur=args.blur,
                                pixel_noise=args.pixel_noise)
         trainer = ContrastivePretrainer(
-            encoder, torch.optim.Adam(encoder.parameters(), lr=args.lr), pairs, method=method, loss="contrastive",
+            encoder, torch.optim.Adam(encoder.parameters(), lr=args.lr), pairs, method=method, loss=args.loss,
             tau=args.tau, clip_norm=args.clip_logit if method == "logit_dp" else args.clip_naive,
             batch_size=args.batch_size, epochs=args.epochs, delta=args.delta,
             target_epsilon=None if method == "nonprivate" else args.epsilon, progress=False, log=None,
@@ -59,6 +59,7 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
         result = trainer.fit()
         out.update(epsilon=result.epsilon, noise_multiplier=result.noise_multiplier)
     out["train_s"] = time.perf_counter() - start
+    encoder = encoder.cpu()  # the evaluation (kNN, probes) runs on the CPU wherever the pre-training ran
     out.update(evaluate_encoder(encoder, data.test, per_class=(10, 100), layer=args.layers[0]))
     for layer in args.layers[1:]:  # the first is the headline: its metrics sit at the top of the record
         out[layer] = evaluate_encoder(encoder, data.test, per_class=(10, 100), layer=layer)
@@ -116,10 +117,17 @@ def main() -> None:
                    "the last Linear (SimCLR's h); the first is the table's, the others go to the JSON and log")
     p.add_argument("--cross-term", choices=CROSS_TERMS, default="exact",
                    help="Logit-DP's pair norms (clipless pretrain --cross-term)")
+    p.add_argument("--loss", choices=["contrastive", "spectral"], default="contrastive",
+                   help="spectral: HaoChen et al.'s loss, -2 Z_ii + sum_(j != i) Z_ij^2 / (n - 1), tau = 1; Logit-DP "
+                   "sensitivity 8B against contrastive's 2B(1 + e^(2/tau))")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where pre-training runs (cuda: IEEE float32 products, which "
+                   "the private step requires)")
     p.add_argument("--out", default="results/logit_dp_probe.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
     use_allocator("tuned")  # as `clipless pretrain` runs
     mnist = args.dataset == "mnist"
     args.batch_size = args.batch_size or (1024.0 if mnist else 256.0)

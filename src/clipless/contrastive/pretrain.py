@@ -215,7 +215,9 @@ class ContrastivePretrainer:
             self.sensitivity = (logit_dp_sensitivity(self.clip_norm, self.tau, loss) if method == "logit_dp"
                                 else naive_dp_sensitivity(self.clip_norm))
         self.loader = poisson_data_loader(pairs, self.sample_rate, generator=make_generator(noise_seed, stream=1))
-        self.noise_generator = make_generator(noise_seed, stream=2)
+        # The noise is drawn where the gradients are (a CUDA encoder: a secret CUDA generator); batches follow.
+        self.device = next((p.device for p in encoder.parameters()), torch.device("cpu"))
+        self.noise_generator = make_generator(noise_seed, self.device, stream=2)
         self.steps = 0
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
@@ -270,7 +272,8 @@ class ContrastivePretrainer:
         size = max(2, round(self.batch_size))
         total, count = 0.0, 0
         for xa, xb in DataLoader(self.eval_pairs, batch_size=size, drop_last=len(self.eval_pairs) >= size):  # type: ignore[arg-type]
-            total += float(LOSS_FUNCTIONS[self.loss](pair_logits(self.encoder, xa, xb, self.tau)))
+            z = pair_logits(self.encoder, xa.to(self.device), xb.to(self.device), self.tau)
+            total += float(LOSS_FUNCTIONS[self.loss](z))
             count += xa.shape[0]
         self.encoder.train()
         return total / max(count, 1)
@@ -286,7 +289,7 @@ class ContrastivePretrainer:
             for xa, xb in bar:
                 if self._budget_spent():  # a fixed sigma with a target may allow fewer steps than the epochs
                     break
-                stats = self._step(xa, xb)
+                stats = self._step(xa.to(self.device), xb.to(self.device))
                 clipped.append(stats["clipped_fraction"])
             self._wall += time.perf_counter() - start
             self.epoch += 1
