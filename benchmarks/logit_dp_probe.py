@@ -44,7 +44,8 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
 
     torch.manual_seed(seed)
     encoder = build_encoder(args.encoder, data.input_shape, args.embedding_dim, hidden=args.hidden,
-                            channels=args.channels, input_pool=args.input_pool).to(args.device)  # as `clipless pretrain`
+                            channels=args.channels, input_pool=args.input_pool)  # the CLI's `clipless pretrain`
+    encoder = encoder.to(args.device)
     start = time.perf_counter()
     out: dict = {"method": method, "seed": seed, "epsilon": None}
     if method != "untrained":
