@@ -119,8 +119,8 @@ def main() -> None:
     p.add_argument("--cross-term", choices=CROSS_TERMS, default="exact",
                    help="Logit-DP's pair norms (clipless pretrain --cross-term)")
     p.add_argument("--loss", choices=["contrastive", "spectral"], default="contrastive",
-                   help="spectral: HaoChen et al.'s loss, -2 Z_ii + sum_(j != i) Z_ij^2 / (n - 1), tau = 1; Logit-DP "
-                   "sensitivity 8B against contrastive's 2B(1 + e^(2/tau))")
+                   help="clipless pretrain --loss: spectral is HaoChen et al.'s -2 Z_ii + sum_(j != i) Z_ij^2 / "
+                   "(n - 1), Logit-DP sensitivity (2B/tau)(1 + 3/tau) against contrastive's 2 (B/tau)(1 + e^(2/tau))")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="where pre-training runs (cuda: IEEE float32 products, which "
                    "the private step requires)")
