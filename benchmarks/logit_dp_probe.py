@@ -52,8 +52,8 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
         pairs = AugmentedPairs(data.train.features, padding=args.crop_padding, flip=False, seed=seed, blur=args.blur,
                                pixel_noise=args.pixel_noise)
         trainer = ContrastivePretrainer(
-            encoder, torch.optim.Adam(encoder.parameters(), lr=args.lr), pairs, method=method, loss=args.loss,
-            tau=args.tau, clip_norm=args.clip_logit if method == "logit_dp" else args.clip_naive,
+            encoder, torch.optim.Adam(param_groups(encoder, args.lr, args.conv_lr_scale)), pairs, method=method,
+            loss=args.loss, tau=args.tau, clip_norm=args.clip_logit if method == "logit_dp" else args.clip_naive,
             batch_size=args.batch_size, epochs=args.epochs, delta=args.delta,
             target_epsilon=None if method == "nonprivate" else args.epsilon, progress=False, log=None,
             cross_term=args.cross_term)
@@ -65,6 +65,22 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
     for layer in args.layers[1:]:  # the first is the headline: its metrics sit at the top of the record
         out[layer] = evaluate_encoder(encoder, data.test, per_class=(10, 100), layer=layer)
     return out
+
+
+def param_groups(encoder: torch.nn.Module, lr: float, conv_lr_scale: float) -> list:
+    """Adam's groups: the convolutions at ``lr * conv_lr_scale``, the rest at ``lr``.  Scale 0 freezes the
+    convolutions (``requires_grad`` off): the pre-training then clips, noises and trains the dense layers only,
+    on top of the random convolutional features."""
+    convs = [p for m in encoder.modules() if isinstance(m, torch.nn.Conv2d) for p in m.parameters()]
+    ids = {id(p) for p in convs}
+    rest = [p for p in encoder.parameters() if id(p) not in ids]
+    if conv_lr_scale == 1 or not convs:
+        return [{"params": rest + convs, "lr": lr}]
+    if conv_lr_scale == 0:
+        for p in convs:
+            p.requires_grad_(False)
+        return [{"params": rest, "lr": lr}]
+    return [{"params": rest, "lr": lr}, {"params": convs, "lr": lr * conv_lr_scale}]
 
 
 def plot(summary: dict, path: Path, title: str) -> None:
@@ -111,6 +127,9 @@ def main() -> None:
     p.add_argument("--channels", type=int, nargs="*", default=[16, 32], help="conv channels (cnn encoder)")
     p.add_argument("--input-pool", type=int, default=1, metavar="K",
                    help="average K x K pixel windows before the encoder (after the crops): fewer conv positions")
+    p.add_argument("--conv-lr-scale", type=float, default=1.0, metavar="S",
+                   help="cnn encoder: the convolutions learn at S times --lr; 0 freezes them (random features, "
+                   "only the dense layers are pre-trained, for every method)")
     p.add_argument("--validation", type=int, default=0, metavar="N",
                    help="hold out the last N training images for evaluation instead of the test split")
     p.add_argument("--layers", nargs="+", default=["embedding"], choices=LAYERS,
@@ -126,6 +145,8 @@ def main() -> None:
                    "the private step requires)")
     p.add_argument("--out", default="results/logit_dp_probe.json")
     args = p.parse_args()
+    if not args.conv_lr_scale >= 0:
+        raise SystemExit(f"--conv-lr-scale must be >= 0, got {args.conv_lr_scale}")
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.backends.cudnn.conv.fp32_precision = "ieee"
