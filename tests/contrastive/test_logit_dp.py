@@ -49,8 +49,8 @@ def _mlp(seed: int, dims=(12, 9, 6, 4), act=nn.Tanh, scale: float = 1.0, dtype=t
 
 
 def _pair_grads(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor) -> Dict[Tuple[int, int], torch.Tensor]:
-    """g_ij = grad_w cos(Phi(xa_i), Phi(xb_j)) by autograd, one pair at a time."""
-    params = [p for p in encoder.parameters()]
+    """g_ij = grad_w cos(Phi(xa_i), Phi(xb_j)) by autograd, one pair at a time (trainable parameters only)."""
+    params = [p for p in encoder.parameters() if p.requires_grad]
     out = {}
     for i in range(xa.shape[0]):
         for j in range(xb.shape[0]):
@@ -1012,6 +1012,66 @@ def _max_clipped_pair_norm(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tenso
     factors = clip_factors(encoder, xa, xb, clip)
     brute = _pair_grads(encoder, xa, xb)
     return max(float(factors[i, j]) * float(g.norm()) for (i, j), g in brute.items())
+
+
+def _frozen_cases():
+    """(encoder, names of the parameters to freeze): a Linear's weight, its bias, a whole Linear, the
+    convolutions (weights only, or entirely), the first parameter of a conv encoder."""
+    mlp = lambda: nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh(),  # noqa: E731
+                                nn.Linear(6, 4))
+    cnn = lambda pool: build_encoder("cnn", (1, 6, 6), 4, hidden=(5,), channels=(2, 3), input_pool=pool)  # noqa: E731
+    yield mlp, ["1.weight"]
+    yield mlp, ["1.bias", "3.bias"]
+    yield mlp, ["3.weight", "3.bias"]
+    yield mlp, ["5.weight"]
+    yield lambda: cnn(1), ["0.weight", "3.weight"]
+    yield lambda: cnn(1), ["0.weight", "0.bias", "3.weight", "3.bias"]
+    yield lambda: cnn(2), ["1.weight"]
+    yield lambda: cnn(2), ["7.weight", "9.bias"]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_frozen_parameters_are_left_out_of_the_pair_norms(index: int) -> None:
+    """Parameters with ``requires_grad=False`` get no gradient, so they take no share of the clip: every path's
+    pair norms equal brute-force pair gradients of the trainable parameters alone (the Linear factors once
+    counted a frozen weight or bias, over-clipping), the clipped pairs stay within B, and removing a pair moves
+    the released gradient by at most the sensitivity."""
+    build, frozen = list(_frozen_cases())[index]
+    torch.manual_seed(200 + index)
+    enc = build().double()
+    names = dict(enc.named_parameters())
+    assert all(k in names for k in frozen)
+    with torch.no_grad():
+        for k, p in names.items():
+            p.mul_(2.0)
+            p.requires_grad_(k not in frozen)
+    gen = torch.Generator().manual_seed(index)
+    x = torch.randn(5, 1, 6, 6, generator=gen, dtype=torch.float64)
+    xb = random_crop_flip(x, 1, True, torch.Generator().manual_seed(1))
+    expected = _norm_matrix(_pair_grads(enc, x, xb))
+    assert float(expected.median()) > 1e-4  # not a dead encoder (identical views have g = 0)
+    for method in ("factored", "auto", "jacobian"):
+        for cross_term in ("exact", "cauchy_schwarz"):
+            norms = pair_gradient_norms(enc, x, xb, method=method, chunk=2, cross_term=cross_term)
+            if cross_term == "exact":
+                torch.testing.assert_close(norms**2, expected**2, rtol=1e-9, atol=1e-12)
+            else:
+                assert bool((norms**2 >= expected**2 * (1 - 1e-9) - 1e-12).all())
+    clip = float(expected.median())
+    assert _max_clipped_pair_norm(enc, x, xb, clip) <= clip * (1 + 1e-9)
+    trainable = [p for p in enc.parameters() if p.requires_grad]
+
+    def released(keep) -> torch.Tensor:
+        for p in trainable:
+            p.grad = None
+        logit_dp_gradient(enc, x[keep], xb[keep], "spectral", 0.5, clip)
+        assert all(p.grad is None for p in enc.parameters() if not p.requires_grad)
+        return torch.cat([p.grad.flatten() for p in trainable])
+
+    full = released(list(range(5)))
+    for r in range(5):
+        move = float((full - released([i for i in range(5) if i != r])).norm())
+        assert move <= logit_dp_sensitivity(clip, 0.5, "spectral") * (1 + 1e-9)
 
 
 def test_in_place_activations_do_not_skip_their_derivative() -> None:

@@ -292,8 +292,12 @@ def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: Optional[int]) ->
             deltas[k] = delta.permute(1, 0, 2)
     factors = []
     for k, (m, kind) in enumerate(zip(linears, kinds)):
+        bias = m.bias is not None and m.bias.requires_grad
+        if not (m.weight.requires_grad or bias):  # frozen: no gradient of its own to clip
+            continue
         h = records[id(m)][0][0]
-        bias = m.bias is not None
+        if not m.weight.requires_grad:  # only the bias's ones remain of the outer product's input side
+            h = h.new_zeros(h.shape[0], 1)
         factors.append(("deep", h, bias, deltas[k]) if kind is None else ("tail", h, bias, kind[1], kind[2]))
     in_linears = {id(p) for m in linears for p in m.parameters()}
     others = [k for k, p in encoder.named_parameters() if p.requires_grad and id(p) not in in_linears]
