@@ -217,7 +217,9 @@ def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: Optional[int]) ->
     - ``("deep", h, has_bias, delta)`` otherwise, ``delta[i, a] = d u_i[a] / d z_i`` (``(n, d, out)``);
 
     ``h`` is the layer's input; the Jacobian of ``u_i[a]`` w.r.t. the weight is the outer product
-    ``delta[i, a] h_i^T`` (and ``delta[i, a]`` for the bias).  Last, the per-example Jacobian ``(n, d, p)`` of
+    ``delta[i, a] h_i^T`` (and ``delta[i, a]`` for the bias).  Only trainable parameters count: a frozen weight
+    has ``h`` replaced by a zero column, ``has_bias`` is false for a frozen bias, and a layer frozen whole has no
+    factor.  Last, the per-example Jacobian ``(n, d, p)`` of
     ``u`` w.r.t. the trainable parameters of the other layers (convolutions, normalizations), or ``None``.
 
     Returns ``None`` unless :func:`_factored_path_applies` and every ``nn.Linear`` runs once on ``(n, in)``
