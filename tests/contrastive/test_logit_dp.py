@@ -1074,6 +1074,26 @@ def test_frozen_parameters_are_left_out_of_the_pair_norms(index: int) -> None:
         assert move <= logit_dp_sensitivity(clip, 0.5, "spectral") * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("linear_head", [False, True])
+@pytest.mark.parametrize("seed", range(2))
+def test_frozen_parameters_float32_clipped_pairs_stay_within_b(seed: int, linear_head: bool) -> None:
+    """Float32 conv encoders with parts frozen (first conv weight, a whole conv, the biases, the head): the
+    rounding margins still keep every clipped pair within B, for both paths and both cross terms."""
+    enc32, xa, xb, _ = _float32_conv_case(seed, linear_head)
+    names = [k for k, _ in enc32.named_parameters()]
+    for frozen in ([names[0]], names[:2], [k for k in names if k.endswith("bias")], names[-2:]):
+        enc = copy.deepcopy(enc32)
+        for k, p in enc.named_parameters():
+            p.requires_grad_(k not in frozen)
+        true = pair_gradient_norms(copy.deepcopy(enc).double(), xa.double(), xb.double(), method="jacobian")
+        kept = true > 1e-5
+        for method in ("factored", "jacobian"):
+            for cross_term in ("exact", "cauchy_schwarz"):
+                for clip in (float(true[kept].min()), float(true.median()), float(true.max()) * (1 - 1e-7)):
+                    factor = clip_factors(enc, xa, xb, clip, method=method, cross_term=cross_term)
+                    assert bool((factor * true <= clip * (1 + 1e-9))[kept].all())
+
+
 def test_in_place_activations_do_not_skip_their_derivative() -> None:
     torch.manual_seed(0)
     enc = nn.Sequential(nn.Flatten(), nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 4)).double()
