@@ -94,6 +94,9 @@ def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     ("epochs: 2.7\n", r"--epochs \(in .*\): must be an integer"),
     ("bach-size: 128\n", r"unknown key 'bach-size' .* keys are the option names"),
     ("batch-size: 128\nbatch_size: 64\n", "sets batch-size twice"),
+    # PyYAML's safe_load keeps the last of two equal keys without a word: this ran at epsilon 8
+    ("epsilon: 1\nhidden: [16]\nepsilon: 8\n", r"sets epsilon twice \(lines 1 and 3\)"),
+    ("epsilon: 1\n'epsilon': 8\n", r"sets epsilon twice \(lines 1 and 2\)"),
     ("epsilon: [3\n", "is not valid YAML"),
     ("- 3\n", "must be a mapping"),
 ])

@@ -402,6 +402,31 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
     return config
 
 
+class _DuplicateKey(Exception):
+    """A YAML mapping with a key twice: ``(key, first line, second line)``."""
+
+
+def _unique_key_loader(yaml: Any) -> Any:
+    """PyYAML's safe loader, except that a mapping with a key twice is refused: ``safe_load`` keeps the last
+    value without a word, so ``epsilon: 1`` followed by ``epsilon: 8`` would run at 8."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: Dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=deep)
+                    try:
+                        if key in seen:
+                            raise _DuplicateKey(key, seen[key], key_node.start_mark.line + 1)
+                        seen[key] = key_node.start_mark.line + 1
+                    except TypeError:  # an unhashable key: the base class names it
+                        continue
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def _read_yaml(path: str) -> Dict[str, Any]:
     """The YAML config as a dict with underscore keys; keys may be spelt as flags (``batch-size``) or not."""
     from .extras import require
@@ -410,9 +435,12 @@ def _read_yaml(path: str) -> Dict[str, Any]:
 
     try:
         with open(path) as fh:
-            loaded = yaml.safe_load(fh)
+            loaded = yaml.load(fh, Loader=_unique_key_loader(yaml))
     except OSError as err:
         raise SystemExit(f"--config: cannot read {path}: {err.strerror or err}") from None
+    except _DuplicateKey as err:
+        raise SystemExit(f"--config: {path} sets {err.args[0]} twice (lines {err.args[1]} and {err.args[2]}): "
+                         "YAML would keep the last one silently; keep one") from None
     except yaml.YAMLError as err:
         raise SystemExit(f"--config: {path} is not valid YAML ({str(err).splitlines()[0]})") from None
     if loaded is None:
