@@ -836,6 +836,23 @@ def test_a_pretraining_resume_with_other_settings_names_what_they_change(tmp_pat
     _trainer("naive_dp", epochs=1, target_epsilon=2.0, noise_multiplier=None).load_checkpoint(tmp_path / "c.pt")
 
 
+@pytest.mark.parametrize("method", ["logit_dp", "naive_dp"])
+def test_a_gradient_left_on_a_frozen_parameter_is_never_applied(method: str) -> None:
+    """A backward of the user's own on training data, then the parameter frozen: the private step noises the
+    trainable parameters only, so the optimizer must not step the frozen one with that un-noised gradient
+    (it did: Adam applied it at every step)."""
+    trainer = _trainer(method, epochs=1)
+    frozen = trainer.encoder[1].weight
+    x = torch.as_tensor(trainer.pairs[0][0]).unsqueeze(0)
+    trainer.encoder(x).sum().backward()
+    frozen.requires_grad_(False)
+    before, trained = frozen.detach().clone(), trainer.encoder[3].weight.detach().clone()
+    assert frozen.grad is not None and bool(frozen.grad.abs().sum() > 0)
+    trainer.fit()
+    assert torch.equal(frozen.detach(), before)
+    assert not torch.equal(trainer.encoder[3].weight.detach(), trained)  # the steps ran
+
+
 @pytest.mark.parametrize("seed", [None, 0])
 def test_copies_of_a_pretrainer_draw_their_own_noise_and_batches(seed) -> None:
     """``copy.deepcopy`` of a pre-trainer (two forks of a run, say for a learning-rate search): before, the copy

@@ -956,10 +956,11 @@ def _check_precision(encoder: nn.Module, xa: torch.Tensor, xb: torch.Tensor) -> 
 
 
 def _cleared_params(encoder: nn.Module) -> List[nn.Parameter]:
-    params = [p for p in encoder.parameters() if p.requires_grad]
-    for p in params:
+    """The trainable parameters, every parameter's ``.grad`` cleared first: a frozen one's too, since the
+    optimizer would otherwise apply a gradient left on it (by a backward of the user's own) without noise."""
+    for p in encoder.parameters():
         p.grad = None
-    return params
+    return [p for p in encoder.parameters() if p.requires_grad]
 
 
 def _fill_missing_grads(params: List[nn.Parameter]) -> None:
