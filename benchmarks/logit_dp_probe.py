@@ -10,7 +10,9 @@ Protocol:
 
 1. Pre-training reads the training split only, without labels. A record is a pair of two random crops of one
    image (zero padding ``--crop-padding``, no flips: digits are not mirror-symmetric), sampled by Poisson.
-   Logit-DP and Naive-DP have the same epsilon, batch, epochs, encoder and optimizer.
+   Logit-DP and Naive-DP have the same epsilon, batch, epochs, encoder and optimizer (``--optimizer``). With
+   SGD their gradients differ in scale (Naive-DP's clipped batch gradient has norm at most ``C`` whatever the
+   batch; Logit-DP's sum grows with it), so each method's ``--lr`` is chosen on validation in runs of its own.
 2. Evaluation reads the test split only. Its even records are the labelled pool and its odd records the
    queries. With ``--validation N`` the test split is not read at all: the last ``N`` training images are held
    out of pre-training and take its place (for choosing settings). ``probe_<k>_per_class`` is a linear head
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
         pairs = AugmentedPairs(data.train.features, padding=args.crop_padding, flip=False, seed=seed, blur=args.blur,
                                pixel_noise=args.pixel_noise)
         trainer = ContrastivePretrainer(
-            encoder, torch.optim.Adam(param_groups(encoder, args.lr, args.conv_lr_scale)), pairs, method=method,
+            encoder, make_optimizer(args, param_groups(encoder, args.lr, args.conv_lr_scale)), pairs, method=method,
             loss=args.loss, tau=args.tau, clip_norm=args.clip_logit if method == "logit_dp" else args.clip_naive,
             batch_size=args.batch_size, epochs=args.epochs, delta=args.delta,
             target_epsilon=None if method == "nonprivate" else args.epsilon, progress=False, log=None,
@@ -67,8 +69,15 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
     return out
 
 
+def make_optimizer(args: argparse.Namespace, groups: list) -> torch.optim.Optimizer:
+    """``--optimizer``: Adam (the default), or SGD with heavy-ball ``--momentum``."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, momentum=args.momentum)
+    return torch.optim.Adam(groups)
+
+
 def param_groups(encoder: torch.nn.Module, lr: float, conv_lr_scale: float) -> list:
-    """Adam's groups: the convolutions at ``lr * conv_lr_scale``, the rest at ``lr``.  Scale 0 freezes the
+    """The optimizer's groups: the convolutions at ``lr * conv_lr_scale``, the rest at ``lr``.  Scale 0 freezes the
     convolutions (``requires_grad`` off): the pre-training then clips, noises and trains the dense layers only,
     on top of the random convolutional features."""
     convs = [p for m in encoder.modules() if isinstance(m, torch.nn.Conv2d) for p in m.parameters()]
@@ -130,6 +139,9 @@ def main() -> None:
     p.add_argument("--conv-lr-scale", type=float, default=1.0, metavar="S",
                    help="cnn encoder: the convolutions learn at S times --lr; 0 freezes them (random features, "
                    "only the dense layers are pre-trained, for every method)")
+    p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="the pre-training optimizer, for every method (sgd: give --lr, e.g. 0.5)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's heavy-ball momentum (--optimizer sgd)")
     p.add_argument("--validation", type=int, default=0, metavar="N",
                    help="hold out the last N training images for evaluation instead of the test split")
     p.add_argument("--layers", nargs="+", default=["embedding"], choices=LAYERS,
