@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import shutil
+import warnings
 from typing import Dict, Tuple
 
 import pytest
@@ -87,6 +88,35 @@ def test_gram_pair_norms_equal_autograd(method: str, seed: int) -> None:
     torch.testing.assert_close(norms**2, expected**2, rtol=1e-9, atol=1e-12)
     assert float(expected[0, 0]) < 1e-12
 
+
+
+class _TimesTen(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 10.0 * w
+
+
+@pytest.mark.parametrize("how", ["times_ten", "weight_norm", "orthogonal"])
+def test_pair_norms_of_a_parametrized_encoder_equal_autograd(how: str) -> None:
+    """A parametrized nn.Linear is not a plain one: its gradient goes to the stored tensor through the
+    parametrization (10x here), so the factored path must not apply; the Jacobian path measures it."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    enc = _mlp(0)
+    if how == "times_ten":
+        parametrize.register_parametrization(enc[1], "weight", _TimesTen())
+    elif how == "weight_norm":
+        parametrizations.weight_norm(enc[1])
+    else:
+        parametrizations.orthogonal(enc[3])
+    gen = torch.Generator().manual_seed(0)
+    xa, xb = (torch.randn(4, 3, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    expected = _norm_matrix(_pair_grads(enc, xa, xb))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # vmap's "no batching rule" performance notes
+        norms = pair_gradient_norms(enc, xa, xb, method="auto", block=2)
+    torch.testing.assert_close(norms, expected, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="factored"):
+        pair_gradient_norms(enc, xa, xb, method="factored")
 
 def _conv_encoders():
     """Convolutional encoders of several shapes (double precision), all on the factored path."""

@@ -645,6 +645,33 @@ def test_parameters_replaced_or_tied_after_make_private_refused(edit):
     assert opt.accountant.steps == 0
 
 
+
+class _TimesTen(nn.Module):
+    def forward(self, w):
+        return 10.0 * w
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_parametrized_weight_is_refused_by_name(when):
+    """``torch.nn.utils.parametrize`` makes a layer compute with ``f(stored tensor)``: a 10x weight here, which the
+    projection (acting on a computed copy) never reaches. Refused before, but as an uncovered parameter, or after
+    make_private as a frozen weight holding a gradient: now named for what it is, at make_private and at a step."""
+    from torch.nn.utils import parametrize
+
+    model = _two_square_layers()
+    if when == "before":
+        parametrize.register_parametrization(model[3], "weight", _TimesTen())
+        with pytest.raises(BoundError, match="has a parametrization"):
+            _private(model)
+        return
+    model, opt, loader = _private(model)
+    parametrize.register_parametrization(model[3], "weight", _TimesTen())
+    x, y = next(iter(loader))
+    cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+    with pytest.raises(BoundError, match="has a parametrization"):
+        opt.step()
+    assert opt.accountant.steps == 0
+
 def test_weight_frozen_between_backward_and_step_refused():
     """The frozen weight kept its summed gradient, got no noise (the bounds skip frozen weights) and the
     optimizer applied it: the raw gradient was released."""

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .certified import BoundError
 from .input_guard import global_hooks_registered, module_hooks, replaced_forward
@@ -174,8 +175,8 @@ class BoundEngine:
         self._names = {id(m): n for n, m in model.named_modules()}
         self._leaves: List[nn.Module] = []
         self._collect_leaves(model, self._leaves)
+        self._check_known_forwards()  # first: a parametrization names itself there, not as an uncovered parameter
         self._check_parameters_covered()
-        self._check_known_forwards()
         self._in_shapes, self.output_shape = self._probe_shapes()
         check = getattr(self.loss, "check_output_shape", None)
         if check is not None:
@@ -241,6 +242,11 @@ class BoundEngine:
             if hooks:
                 raise BoundError(f"module '{name}' has hooks ({len(hooks)}) that may change its outputs or gradients; "
                                  "remove them before making the model private")
+            if parametrize.is_parametrized(module):  # the layer then computes with f(stored tensor), not the tensor
+                raise BoundError(f"module '{name}' has a parametrization (torch.nn.utils.parametrize) on "
+                                 f"{', '.join(sorted(module.parametrizations))}: it computes with a function of its "
+                                 "stored parameters that the bounds do not describe, and the projection would not "
+                                 "reach the stored tensor; remove it (parametrize.remove_parametrizations)")
             replaced = replaced_forward(module)
             if replaced is None and isinstance(module, BoundedModule) and "layer_bound" in vars(module):
                 replaced = "layer_bound"  # an unchecked bound in place of the class's certified one
