@@ -140,7 +140,8 @@ def main() -> None:
                    help="cnn encoder: the convolutions learn at S times --lr; 0 freezes them (random features, "
                    "only the dense layers are pre-trained, for every method)")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
-                   help="the pre-training optimizer, for every method (sgd: give --lr, e.g. 0.5)")
+                   help="the pre-training optimizer, for every method; sgd needs each method's own --lr (on "
+                   "MNIST about 1 for Logit-DP and 100-400 for Naive-DP, chosen on validation in docs/results.md)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's heavy-ball momentum (--optimizer sgd)")
     p.add_argument("--validation", type=int, default=0, metavar="N",
                    help="hold out the last N training images for evaluation instead of the test split")
