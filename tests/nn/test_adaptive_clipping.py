@@ -117,6 +117,71 @@ def test_count_counts_each_example_once_per_step_and_ignores_diagnostics():
     assert "1.clip_norm" in state  # checkpoints keep C
 
 
+
+def _released_counts(monkeypatch, slip):
+    """The counts the private step releases when ``slip`` runs one step's loop body (nothing clipped: C = 1e6)."""
+    import clipless.nn.clipping as clipping
+
+    released = []
+
+    def capture(count, *args, **kwargs):
+        released.append(count)
+        return float(count)
+
+    monkeypatch.setattr(clipping, "noisy_count", capture)
+    torch.manual_seed(0)
+    model = nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(5, 3),
+                          cl.AdaptiveLossGradientClip(1e6, count_noise_multiplier=1.0))
+    data = cl.ArrayDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    model, opt, loader = cl.PrivacyEngine("rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=cl.TauCrossEntropy(),
+        noise_multiplier=1.0, input_shape=(5,), batch_size=16.0)
+    rows = slip(model, opt, iter(loader), lambda x, y: cl.TauCrossEntropy().per_example(model(x), y).sum())
+    return released, rows
+
+
+def _backward_discarded(model, opt, batches, loss):
+    x, y = next(batches)
+    opt.zero_grad()
+    loss(x, y).backward()
+    opt.zero_grad()  # a backward thrown away (a warm-up, a diagnostic): its gradient is not released
+    loss(x, y).backward()
+    opt.step()
+    return len(x)
+
+
+def _step_refused(model, opt, batches, loss):
+    x, y = next(batches)
+    opt.zero_grad()
+    loss(x, y).backward()
+    loss(x, y).backward()  # the batch twice: refused
+    with pytest.raises(cl.BoundError):
+        opt.step()
+    x, y = next(batches)
+    opt.zero_grad()
+    loss(x, y).backward()
+    opt.step()
+    return len(x)
+
+
+def _input_gradient_first(model, opt, batches, loss):
+    x, y = next(batches)
+    opt.zero_grad()
+    xs = x.clone().requires_grad_(True)
+    torch.autograd.grad(loss(xs, y), xs)  # a saliency map of the batch: reaches no weight, passes the clip
+    loss(x, y).backward()
+    opt.step()
+    return len(x)
+
+
+@pytest.mark.parametrize("slip", [_backward_discarded, _step_refused, _input_gradient_first])
+def test_the_count_released_is_that_of_the_released_backward_alone(monkeypatch, slip):
+    """The count was kept from every backward through the clip since the last release: one thrown away by
+    zero_grad, one of a refused step's batch, or an input gradient counted each example a second time, and the
+    released count had sensitivity 2 where the accountant composes 1. Now only the released backward counts."""
+    released, rows = _released_counts(monkeypatch, slip)
+    assert released == [rows]
+
 def test_tightness_monitor_does_not_enter_the_count():
     clip = cl.AdaptiveLossGradientClip(1.0, count_noise_multiplier=3.0)
     trainer = _trainer(clip, epochs=1, noise_multiplier=1.0, tightness_monitor=cl.diagnostics.TightnessMonitor(every=1, sample=4))

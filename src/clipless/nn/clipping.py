@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Collection, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from ..privacy.input_guard import backward_pass_id
 from ..privacy.modules import BoundedModule, LayerBound, PerStepMechanism
 from ..privacy.noise import noisy_count
 from .functional import broadcast_per_example, per_example_norm, positive_finite
@@ -57,9 +58,10 @@ class AdaptiveLossGradientClip(PerStepMechanism):
 
     Backward clips each example's logit gradient to ``C`` (so ``L <- min(L, C)``,
     as :class:`LossGradientClip`) and counts the examples with
-    ``||grad_z l|| <= C``.  After each private step, :meth:`update_` releases
-    that count with Gaussian noise of std ``count_noise_multiplier`` (the count
-    has add/remove sensitivity 1) and moves ``C`` geometrically towards the
+    ``||grad_z l|| <= C``, per backward pass.  After each private step,
+    :meth:`update_` releases the count of the step's released passes
+    (:meth:`keep_only_`) with Gaussian noise of std ``count_noise_multiplier``
+    (the count has add/remove sensitivity 1) and moves ``C`` geometrically towards the
     ``target_quantile``: ``C <- C exp(-lr (noisy_count / b - target_quantile))``
     with ``b`` the expected batch size.  The count is a second Gaussian
     mechanism on the same Poisson batch: the private optimizer composes it into
@@ -84,16 +86,22 @@ class AdaptiveLossGradientClip(PerStepMechanism):
         self.target_quantile = float(target_quantile)
         self.learning_rate = positive_finite(learning_rate, "learning_rate")
         self.register_buffer("clip_norm", torch.tensor(float(initial_norm), dtype=torch.float64))
-        self._below = 0  # examples of the current step with ||grad_z l|| <= C
+        # examples with ||grad_z l|| <= C, per backward pass since the last release
+        self._below_by_pass: Dict[int, int] = {}
         self._recording = True
 
     @property
     def max_norm(self) -> float:
         return float(self.clip_norm)
 
+    @property
+    def _below(self) -> int:
+        return sum(self._below_by_pass.values())
+
     def _record(self, norms: torch.Tensor) -> None:
         if self._recording:
-            self._below += int((norms <= self.max_norm).sum())
+            key = backward_pass_id()
+            self._below_by_pass[key] = self._below_by_pass.get(key, 0) + int((norms <= self.max_norm).sum())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ClipGrad.apply(x, self.max_norm, self._record)
@@ -109,8 +117,15 @@ class AdaptiveLossGradientClip(PerStepMechanism):
                                distributed=distributed)
         fraction /= expected_batch_size
         self.clip_norm.mul_(math.exp(-self.learning_rate * (fraction - self.target_quantile)))
-        self._below = 0
+        self._below_by_pass = {}
         return fraction
+
+    def keep_only_(self, backward_passes: Collection[int]) -> None:
+        kept = set(backward_passes)
+        self._below_by_pass = {k: n for k, n in self._below_by_pass.items() if k in kept}
+
+    def discard_(self) -> None:
+        self._below_by_pass = {}
 
     @contextlib.contextmanager
     def counting_paused(self) -> Iterator[None]:

@@ -56,7 +56,8 @@ from .certified import BoundError, ieee_convolutions, ieee_matmul
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
-           "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "INPUT_BOUND_TOLERANCE"]
+           "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "backward_pass_id",
+           "INPUT_BOUND_TOLERANCE"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -457,8 +458,9 @@ if isinstance(_FOREACH_TYPES, list) and _WatchedParameter not in _FOREACH_TYPES:
     _FOREACH_TYPES.append(_WatchedParameter)
 
 
-def _task() -> int:
-    return torch._C._current_graph_task_id()  # the running backward pass (as torch.utils.checkpoint uses it)
+def backward_pass_id() -> int:
+    """The running backward pass (autograd graph task; -1 outside one), as ``torch.utils.checkpoint`` reads it."""
+    return torch._C._current_graph_task_id()
 
 
 class StepGuard:
@@ -596,7 +598,7 @@ class StepGuard:
 
     # -- backward ------------------------------------------------------------
     def _problem(self, why: str) -> None:
-        self._problems.setdefault(_task(), why)
+        self._problems.setdefault(backward_pass_id(), why)
 
     def _loss_weights(self, weights: torch.Tensor) -> None:
         if weights.numel() == 0:
@@ -628,7 +630,7 @@ class StepGuard:
         loss_grad, record.loss_grad = record.loss_grad, None
         losses, record.losses = record.losses, []
         twice, record.backpropagated = record.backpropagated, True
-        record.task = _task()
+        record.task = backward_pass_id()
         lipschitz = self.loss_lipschitz()
         norms = torch.linalg.vector_norm(grad.detach().flatten(1).double(), dim=1)  # each example's loss gradient
         largest = float(norms.max()) if norms.numel() else 0.0
@@ -657,18 +659,19 @@ class StepGuard:
         elif self._weights_differ(record.snapshot):
             why = "the weights changed between the forward and its backward: the bounds are those of other weights"
         else:
-            self._checked[_task()] = record
-            mass, nonzero, rows = self._mass.get(_task(), (0.0, 0, 0))
-            self._mass[_task()] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
+            self._checked[backward_pass_id()] = record
+            mass, nonzero, rows = self._mass.get(backward_pass_id(), (0.0, 0, 0))
+            self._mass[backward_pass_id()] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
                                    rows + int(norms.numel()))
             if record.digests is not None:
-                self._digests.setdefault(_task(), []).append(record.digests)
+                self._digests.setdefault(backward_pass_id(), []).append(record.digests)
             return
         self._problem(why)
 
     def _taint(self, name: str) -> None:
-        if self._problems.get(_task(), "").startswith(_WEIGHT_USED):  # the layer's weights: name the layer instead
-            del self._problems[_task()]
+        # the layer's weights: name the layer instead
+        if self._problems.get(backward_pass_id(), "").startswith(_WEIGHT_USED):
+            del self._problems[backward_pass_id()]
         self._problem(f"layer '{name}' of the private model was called outside the model's forward, and the backward "
                       "went through it: its gradient bypasses the privacy analysis; call the whole model")
 
@@ -678,7 +681,7 @@ class StepGuard:
                       "weight_decay)")
 
     def _through_model(self, key: int, forward: List[_ForwardRecord], grad: torch.Tensor) -> None:
-        task = _task()
+        task = backward_pass_id()
         if not forward or forward[0].task != task:
             # The output is reached first in a backward through it; a gate reached in a backward that never went
             # through this forward's output is a derivative of the model's own backward (create_graph=True).
@@ -698,7 +701,7 @@ class StepGuard:
         if not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):  # one pass when finite
             self._problem(f"weight '{name}' of the private model got a gradient that is not finite (NaN or inf in the "
                           "backward: a layer's derivative divided by zero or overflowed); no bound covers it")
-        parts = self._through.pop(key, []) if _task() == self._through_task else []
+        parts = self._through.pop(key, []) if backward_pass_id() == self._through_task else []
         if parts and all(g._version == v for g, v in parts):  # a part changed in place no longer says what it sent
             sent = parts[0][0]
             for part, _ in parts[1:]:  # in arrival order, as autograd sums them
@@ -707,7 +710,7 @@ class StepGuard:
             if exact or float((grad - sent).abs().max()) <= _SUM_TOL * float(sent.abs().max()):
                 weight = self._by_id[key]
                 # checked again once accumulated: a hook that runs after this one must not change it
-                self._expected[key] = (_task(), sent if weight.grad is None else weight.grad + sent)
+                self._expected[key] = (backward_pass_id(), sent if weight.grad is None else weight.grad + sent)
                 return None if exact else sent  # beyond rounding of the sum, accumulate the forward's part exactly
         self._problem(f"weight '{name}' of the private model received gradient by a path outside the model's "
                       "forward (e.g. a custom torch.autograd.Function applied to the weight): its gradient bypasses "
@@ -715,7 +718,7 @@ class StepGuard:
         return None  # left as it is (torch.autograd.grad diagnostics see it); accumulated, it refuses the step
 
     def _accumulated(self, param: torch.Tensor) -> None:
-        task = _task()
+        task = backward_pass_id()
         backward, expected = self._expected.pop(id(param), (None, None))
         if backward == task and not (param.grad is expected or torch.equal(param.grad, expected)):
             self._problem("a weight's gradient was changed between its backward and its accumulation (a hook on the "
@@ -775,6 +778,10 @@ class StepGuard:
                     f"under the certified per-example bound {layer.bound:.6g}: the backward was changed (a hook on an "
                     "autograd node?) or the layer declares a wrong bound; call optimizer.zero_grad() and run the "
                     "batch again")
+
+    def released_backward_passes(self) -> Tuple[int, ...]:
+        """The backward passes (:func:`backward_pass_id`) whose gradients this step releases."""
+        return tuple(self._released)
 
     def released_rows(self) -> int:
         """Rows of the private model's output whose backward this step releases (micro-batches summed)."""

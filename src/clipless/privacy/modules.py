@@ -14,7 +14,7 @@ import functools
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Collection, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -117,7 +117,8 @@ class PerStepMechanism(BoundedModule):
     """A layer that releases, after every private step, a noisy statistic of the step's batch (e.g. a count of
     unclipped examples) with Gaussian noise of std ``count_noise_multiplier`` (add/remove sensitivity 1).
 
-    The optimizer composes it into the step's ``sigma_eff`` and calls :meth:`update_` after the step.
+    The optimizer composes it into the step's ``sigma_eff`` and, after the step, calls :meth:`keep_only_` with
+    the backward passes it released, then :meth:`update_`; ``zero_grad`` and a refused step call :meth:`discard_`.
     """
 
     count_noise_multiplier: float
@@ -127,6 +128,18 @@ class PerStepMechanism(BoundedModule):
         """Release this step's noisy statistic and reset it (``distributed``: summed over the ranks and noised
         once, :func:`~clipless.privacy.noise.noisy_count`)."""
         raise NotImplementedError
+
+    def keep_only_(self, backward_passes: Collection[int]) -> None:
+        """Keep what ``backward_passes`` (:func:`~clipless.privacy.input_guard.backward_pass_id`) added to the
+        statistic and forget the rest: the optimizer passes those whose gradient the step releases, so that a
+        backward whose gradient is not released (an input gradient, a pass cleared by ``zero_grad``) does not count
+        an example a second time (sensitivity 2, not 1)."""
+        raise NotImplementedError(f"{type(self).__name__} must keep its statistic per backward pass (keep_only_)")
+
+    def discard_(self) -> None:
+        """Forget the statistic gathered since the last release (a ``zero_grad``, a refused step): the one released
+        with the next step is that of the next step's batch alone."""
+        raise NotImplementedError(f"{type(self).__name__} must implement discard_")
 
     @contextlib.contextmanager
     def counting_paused(self) -> Iterator[None]:
