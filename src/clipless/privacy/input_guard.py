@@ -659,19 +659,20 @@ class StepGuard:
         elif self._weights_differ(record.snapshot):
             why = "the weights changed between the forward and its backward: the bounds are those of other weights"
         else:
-            self._checked[backward_pass_id()] = record
-            mass, nonzero, rows = self._mass.get(backward_pass_id(), (0.0, 0, 0))
-            self._mass[backward_pass_id()] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
-                                   rows + int(norms.numel()))
+            task = record.task
+            self._checked[task] = record
+            mass, nonzero, rows = self._mass.get(task, (0.0, 0, 0))
+            self._mass[task] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
+                                rows + int(norms.numel()))
             if record.digests is not None:
-                self._digests.setdefault(backward_pass_id(), []).append(record.digests)
+                self._digests.setdefault(task, []).append(record.digests)
             return
         self._problem(why)
 
     def _taint(self, name: str) -> None:
-        # the layer's weights: name the layer instead
-        if self._problems.get(backward_pass_id(), "").startswith(_WEIGHT_USED):
-            del self._problems[backward_pass_id()]
+        task = backward_pass_id()
+        if self._problems.get(task, "").startswith(_WEIGHT_USED):  # the layer's weights: name the layer instead
+            del self._problems[task]
         self._problem(f"layer '{name}' of the private model was called outside the model's forward, and the backward "
                       "went through it: its gradient bypasses the privacy analysis; call the whole model")
 
