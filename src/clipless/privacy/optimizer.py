@@ -319,9 +319,9 @@ class DPOptimizer:
                 g.div_(self.expected_batch_size)  # type: ignore[union-attr]
         self.original_optimizer.step()
         self.bound_engine.project_()
-        released = self.guard.released_backward_passes() if self.step_mechanisms else ()
+        passes = self.guard.released_backward_passes() if self.step_mechanisms else ()
         for clip in self.step_mechanisms:  # after the step: its noise used the C of this batch's backward
-            clip.keep_only_(released)  # the count of the released backward passes only
+            clip.keep_only_(passes)  # the count of the released backward passes only
             if self.world_size > 1:
                 clip.update_(self.expected_batch_size, self.generator, distributed=True)
             else:  # the one-process call, as every PerStepMechanism implements it
