@@ -124,6 +124,13 @@ def test_missing_input_bound_refused(data):
         trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,)), data)
 
 
+@pytest.mark.parametrize("bound", [0.0, -1.0, float("nan"), float("inf"), True])
+def test_a_bad_input_bound_is_refused_as_given(data, bound):
+    """The tolerance was applied first: input_bound=-1 was refused as "got -1.000001"."""
+    with pytest.raises(BoundError, match=rf"input_bound must be a positive finite number .*got {bound!r}$"):
+        trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,)), data, input_bound=bound)
+
+
 def test_loss_without_lipschitz_constant_refused(data):
     model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
     with pytest.raises(BoundError, match="declares no Lipschitz constant"):
