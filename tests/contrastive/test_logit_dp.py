@@ -910,6 +910,11 @@ def test_bad_input_errors() -> None:
         _trainer("logit_dp", loss="spreadout", tau=0.5)
     with pytest.raises(ValueError, match="method"):
         _trainer("dpsgd")
+    # refused when the pre-trainer is built, not at its first step; True is no temperature or clip norm of 1
+    for kwargs, message in ((dict(gram_method="exact"), "method must be one of"), (dict(tau=True), "tau"),
+                            (dict(clip_norm=True), "clip norm B")):
+        with pytest.raises(ValueError, match=message):
+            _trainer("logit_dp", **kwargs)
     bad = torch.rand(4, 1, 8, 8)
     bad[1, 0, 2, 2] = float("nan")
     with pytest.raises(ValueError, match="NaN|finite"):

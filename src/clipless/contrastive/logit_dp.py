@@ -107,7 +107,7 @@ CONTRASTIVE_LOSSES = tuple(LOSS_FUNCTIONS)
 def _check_loss(loss: str, tau: float) -> None:
     if loss not in CONTRASTIVE_LOSSES:
         raise ValueError(f"loss must be one of {CONTRASTIVE_LOSSES}, got {loss!r}")
-    if not (tau > 0 and math.isfinite(tau)):
+    if isinstance(tau, bool) or not (tau > 0 and math.isfinite(tau)):
         raise ValueError(f"temperature tau must be positive and finite, got {tau}")
     if loss == "spreadout" and tau != 1.0:
         raise ValueError("the spreadout sensitivity 6B (spec §4) holds for tau = 1 only")
@@ -130,7 +130,7 @@ def logit_gradient(z: torch.Tensor, loss: str, tau: Optional[float] = None) -> t
 
 
 def _check_clip_norm(clip_norm: float, name: str) -> None:
-    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+    if isinstance(clip_norm, bool) or not (clip_norm > 0 and math.isfinite(clip_norm)):
         raise ValueError(f"clip norm {name} must be positive and finite, got {clip_norm}")
 
 
@@ -722,6 +722,14 @@ def _check_cross_term(cross_term: str) -> None:
         raise ValueError(f"cross_term must be one of {CROSS_TERMS}, got {cross_term!r}")
 
 
+GRAM_METHODS = ("auto", "factored", "jacobian")
+
+
+def _check_gram_method(method: str) -> None:
+    if method not in GRAM_METHODS:
+        raise ValueError(f"method must be one of {GRAM_METHODS}, got {method!r}")
+
+
 def _block_chain(p: int, d: int) -> int:
     """The longest chain of roundings in a Jacobian block's ``A``, ``B``, ``C`` (a length-``p`` Gram or
     ``J^T v`` product, then a ``d x d`` quadratic form or a length-``p`` dot product)."""
@@ -863,8 +871,7 @@ def _check_pairs(xa: torch.Tensor, xb: torch.Tensor, method: str, cross_term: st
     _check_cross_term(cross_term)
     if xa.shape != xb.shape:
         raise ValueError(f"pair sides differ in shape: {tuple(xa.shape)} vs {tuple(xb.shape)}")
-    if method not in ("auto", "factored", "jacobian"):
-        raise ValueError(f"method must be auto, factored or jacobian, got {method!r}")
+    _check_gram_method(method)
     for side, x in (("first", xa), ("second", xb)):
         if x.is_floating_point() and not torch.isfinite(x).all():
             raise ValueError(f"the {side} views contain NaN or infinite values: no pair norm can be bounded; "

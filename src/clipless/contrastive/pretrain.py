@@ -33,7 +33,10 @@ from ..train.checkpoint import (check_fits, check_records, fingerprint_key_for, 
                                 read_fingerprint_key, save_checkpoint)
 from .logit_dp import (
     LOSS_FUNCTIONS,
+    _check_clip_norm,
     _check_cross_term,
+    _check_gram_method,
+    _check_loss,
     logit_dp_gradient,
     logit_dp_sensitivity,
     naive_dp_gradient,
@@ -184,10 +187,13 @@ class ContrastivePretrainer:
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
+        _check_loss(loss, tau)  # as given: float() would read True as 1
+        _check_clip_norm(clip_norm, "C" if method == "naive_dp" else "B")
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
         self.log_train_stats = bool(log_train_stats)
         _check_cross_term(cross_term)  # before any calibration or sampling
+        _check_gram_method(gram_method)
         self.gram_method, self.cross_term, self.progress, self.log = gram_method, cross_term, progress, log
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.sample_rate = self.batch_size / n
