@@ -181,14 +181,12 @@ class ContrastivePretrainer:
                              "process group (train with clipless.PrivateTrainer for multi-process training)")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if loss not in LOSS_FUNCTIONS:
-            raise ValueError(f"loss must be one of {tuple(LOSS_FUNCTIONS)}, got {loss!r}")
+        _check_loss(loss, tau)  # as given: float() would read True as 1
+        _check_clip_norm(clip_norm, "C" if method == "naive_dp" else "B")
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
-        _check_loss(loss, tau)  # as given: float() would read True as 1
-        _check_clip_norm(clip_norm, "C" if method == "naive_dp" else "B")
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
         self.log_train_stats = bool(log_train_stats)
