@@ -124,9 +124,6 @@ class AdaptiveLossGradientClip(PerStepMechanism):
         kept = set(backward_passes)
         self._below_by_pass = {k: n for k, n in self._below_by_pass.items() if k in kept}
 
-    def discard_(self) -> None:
-        self._below_by_pass = {}
-
     @contextlib.contextmanager
     def counting_paused(self) -> Iterator[None]:
         """Backward passes inside do not enter the count (diagnostics such as the tightness monitor)."""

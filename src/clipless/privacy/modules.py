@@ -118,7 +118,7 @@ class PerStepMechanism(BoundedModule):
     unclipped examples) with Gaussian noise of std ``count_noise_multiplier`` (add/remove sensitivity 1).
 
     The optimizer composes it into the step's ``sigma_eff`` and, after the step, calls :meth:`keep_only_` with
-    the backward passes it released, then :meth:`update_`; ``zero_grad`` and a refused step call :meth:`discard_`.
+    the backward passes it released, then :meth:`update_`.
     """
 
     count_noise_multiplier: float
@@ -135,11 +135,6 @@ class PerStepMechanism(BoundedModule):
         backward whose gradient is not released (an input gradient, a pass cleared by ``zero_grad``) does not count
         an example a second time (sensitivity 2, not 1)."""
         raise NotImplementedError(f"{type(self).__name__} must keep its statistic per backward pass (keep_only_)")
-
-    def discard_(self) -> None:
-        """Forget the statistic gathered since the last release (a ``zero_grad``, a refused step): the one released
-        with the next step is that of the next step's batch alone."""
-        raise NotImplementedError(f"{type(self).__name__} must implement discard_")
 
     @contextlib.contextmanager
     def counting_paused(self) -> Iterator[None]:

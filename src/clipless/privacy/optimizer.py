@@ -247,8 +247,6 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.guard.clear_gradient_state()
-        for clip in self.step_mechanisms:  # the discarded backwards' examples leave the per-step count too
-            clip.discard_()
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         self.plan.check_budget(self.accountant.steps)
@@ -265,7 +263,6 @@ class DPOptimizer:
             with unwatched(params):  # the user's closure is done: from here on only the step's own operations run
                 return params, self._checked_report(params)
 
-        released = False
         try:
             if self.world_size == 1:
                 params, report = checked()
@@ -273,13 +270,9 @@ class DPOptimizer:
                 params, report = same_outcome_on_all_ranks(checked, next(self.bound_engine.model.parameters()).device)
             with unwatched(params):
                 self._release(params, report)
-            released = True
         finally:  # released or refused, the batches drawn so far are spent: the next step needs a new one
             if self._batches is not None:
                 self._batches_released = self._batches.batches_drawn
-            if not released:  # nor may a refused batch's examples enter the count released with the next step
-                for clip in self.step_mechanisms:
-                    clip.discard_()
         return loss
 
     def _checked_report(self, params: List[torch.Tensor]) -> BoundReport:
@@ -321,7 +314,8 @@ class DPOptimizer:
         self.bound_engine.project_()
         passes = self.guard.released_backward_passes() if self.step_mechanisms else ()
         for clip in self.step_mechanisms:  # after the step: its noise used the C of this batch's backward
-            clip.keep_only_(passes)  # the count of the released backward passes only
+            # the count of the released passes only: not of one cleared by zero_grad, refused, or an input gradient
+            clip.keep_only_(passes)
             if self.world_size > 1:
                 clip.update_(self.expected_batch_size, self.generator, distributed=True)
             else:  # the one-process call, as every PerStepMechanism implements it
