@@ -202,13 +202,53 @@ def test_bad_input_is_refused():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         klp.noisy_gradient_descent(net, bad, y, None, None, eta=0.1, sigma=0.1, steps=1)
-    for eta, sigma in ((0.0, 0.1), (float("nan"), 0.1), (0.1, float("nan")), (0.1, float("inf"))):  # NaN passed "<= 0"
-        with pytest.raises(ValueError, match="eta"):
+    for eta, sigma, name in ((0.0, 0.1, "eta"), (float("nan"), 0.1, "eta"), (0.1, float("nan"), "sigma"),
+                             (0.1, float("inf"), "sigma"), (True, 0.1, "eta")):  # NaN passed "<= 0", True ran as 1
+        with pytest.raises(ValueError, match=name):
             klp.noisy_gradient_descent(net, x, y, None, None, eta=eta, sigma=sigma, steps=1)
     with pytest.raises(ValueError, match="unknown loss"):
         klp.gradient_geometry(net, x, y, loss="hinge")
     with pytest.raises(TypeError):
         klp.gradient_geometry(torch.nn.Linear(3, 2), x, y)
+
+
+@pytest.mark.parametrize("change, match", [
+    # each of these ran before: a NaN KL, an addition-free KL, a rounded width, or a torch error deep inside
+    (dict(eta=1e30), "diverged at step"),
+    (dict(weight_decay=float("nan")), "weight_decay must be a finite number"),
+    (dict(steps=2.5), "steps must be an integer"),
+    (dict(steps=True), "steps must be an integer"),
+    (dict(x_heldout=torch.ones(4, 3) / 3, y_heldout=None), "held-out records and their labels together"),
+    (dict(y_train=torch.tensor([0, 1, 2, 0, 1])), r"labels must lie in \[0, 2\)"),
+    (dict(y_train=torch.zeros(5)), "int64"),
+    (dict(y_train=torch.zeros(4, dtype=torch.int64)), r"\(5,\) int64"),
+    (dict(x_train=torch.ones(5, 4)), r"\(records, 3\)"),
+    (dict(x_train=torch.ones(5, 3, dtype=torch.float64)), "float32"),
+])
+def test_noisy_gd_refuses_what_would_void_the_kl(change, match):
+    net = klp.ReLUNetwork([3, 4, 2], "lecun", torch.Generator().manual_seed(0))
+    run = dict(x_train=torch.ones(5, 3) / 3, y_train=torch.tensor([0, 1, 1, 0, 1]), x_heldout=None, y_heldout=None,
+               eta=0.1, sigma=0.1, steps=2)
+    with pytest.raises(ValueError, match=match):
+        klp.noisy_gradient_descent(net, **{**run, **change})
+
+
+def test_kl_conversions_refuse_a_failed_measurement():
+    for kl in (float("nan"), -0.1):  # returned NaN, or 0 (perfect privacy) for a negative KL
+        with pytest.raises(ValueError, match="KL divergence"):
+            klp.kl_to_delta(kl)
+        with pytest.raises(ValueError, match="KL divergence"):
+            klp.membership_advantage_bound(kl)
+    assert klp.membership_advantage_bound(math.inf) == 1.0
+    with pytest.warns(UserWarning, match="vacuous"):
+        assert klp.kl_to_delta(math.inf) == 1.0
+    for change, match in ((dict(steps=-5), "steps"), (dict(eta=-0.1), "eta"), (dict(input_norm_sq=-1.0), "input_norm"),
+                          (dict(sigma=float("nan")), "sigma"), (dict(n_train=True), "n_train")):
+        with pytest.raises(ValueError, match=match):  # each gave a negative or NaN bound
+            klp.linearized_kl_bound(**{**dict(widths=[5, 8, 2], scheme="he", input_norm_sq=1.0, n_train=20, eta=0.1,
+                                                sigma=1e-3, steps=5), **change})
+    with pytest.raises(ValueError, match=r"widths\[1\] must be an integer"):
+        klp.ReLUNetwork([5, 8.7, 2], "he")  # built 8 units
 
 
 def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
@@ -241,14 +281,14 @@ def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
 @pytest.mark.parametrize("flags, match", [
     (["--digits", "3", "3"], "digits must be two different MNIST digits"),
     (["--digits", "3", "11"], "digits must be two different MNIST digits"),
-    (["--n-train", "1"], "n_train must be >= 2"),
-    (["--n-heldout", "0"], "n_heldout must be >= 1"),
+    (["--n-train", "1"], "n_train must be an integer >= 2"),
+    (["--n-heldout", "0"], "n_heldout must be an integer >= 1"),
     (["--inits", "foo"], "inits must name at least one of"),
     (["--inits"], "inits must name at least one of"),
-    (["--widths", "8", "0"], r"widths\[1\] must be >= 1"),
-    (["--runs", "0"], "runs must be >= 1"),
-    (["--sigma", "nan"], "sigma must be a positive finite number"),
-    (["--eta", "-1"], "eta must be a positive finite number"),
+    (["--widths", "8", "0"], r"widths\[1\] must be an integer >= 1"),
+    (["--runs", "0"], "runs must be an integer >= 1"),
+    (["--sigma", "nan"], "sigma must be positive and finite"),
+    (["--eta", "-1"], "eta must be positive and finite"),
 ])
 def test_kl_study_settings_refused_before_anything_runs(tmp_path, flags, match):
     from clipless.cli import main

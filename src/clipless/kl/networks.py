@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import jvp
 
+from ..nn.functional import whole_number
+
 __all__ = ["INIT_SCHEMES", "init_variances", "gradient_norm_at_init", "ReLUNetwork", "relu_network_forward",
            "LinearizedNetwork"]
 
@@ -21,8 +23,9 @@ def init_variances(widths: Sequence[int], scheme: str) -> List[float]:
 
     LeCun ``1/m_{l-1}``; He ``2/m_{l-1}``; Xavier ``2/(m_{l-1} + m_l)``; NTK ``2/m_l`` (hidden), ``1/k`` (output).
     """
-    if len(widths) < 2 or any(int(w) < 1 for w in widths):
-        raise ValueError(f"widths must list the input, hidden and output sizes (all >= 1), got {list(widths)}")
+    if len(widths) < 2:
+        raise ValueError(f"widths must list the input, hidden and output sizes, got {list(widths)}")
+    widths = [whole_number(w, f"widths[{i}]") for i, w in enumerate(widths)]  # 8.7 would build 8 and declare 8.7
     scheme = scheme.lower()
     depth = len(widths) - 1
     variances = []
@@ -58,9 +61,9 @@ class ReLUNetwork(nn.Module):
     def __init__(self, widths: Sequence[int], init: str = "lecun", generator: Optional[torch.Generator] = None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        betas = init_variances(widths, init)
         self.widths = [int(w) for w in widths]
         self.init = init
-        betas = init_variances(self.widths, init)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.randn(m_out, m_in, generator=generator, dtype=dtype) * math.sqrt(beta))
             for m_in, m_out, beta in zip(self.widths[:-1], self.widths[1:], betas)

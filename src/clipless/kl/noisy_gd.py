@@ -15,6 +15,7 @@ remove ``z_j``: ``Delta g = (g_j - gbar) / (n - 1)``; add ``z``: ``Delta g = (gb
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.datasets import check_finite
+from ..nn.functional import finite_at_least, positive_finite, whole_number
 from ..privacy import secret_generator
 from .networks import (
     INIT_SCHEMES,
@@ -78,6 +80,18 @@ KL_LOSSES: Dict[str, Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]] = {
     "cross_entropy": _cross_entropy,
     "squared": _squared,
 }
+
+
+def _check_records(model: nn.Module, x: Tensor, y: Tensor, what: str) -> None:
+    """Records the network can read: a shape, dtype or label it cannot would fail deep inside the closed forms."""
+    check_finite(x, what)
+    widths, dtype = model.widths, model.weights[0].dtype  # type: ignore[union-attr,index]
+    if x.dim() != 2 or x.shape[1] != widths[0] or x.dtype != dtype:
+        raise ValueError(f"{what} must be a (records, {widths[0]}) {dtype} tensor, got {tuple(x.shape)} {x.dtype}")
+    if y.dim() != 1 or y.shape[0] != x.shape[0] or y.dtype != torch.int64:
+        raise ValueError(f"{what} labels must be a ({x.shape[0]},) int64 tensor, got {tuple(y.shape)} {y.dtype}")
+    if y.numel() and not (0 <= int(y.min()) and int(y.max()) < widths[-1]):
+        raise ValueError(f"{what} labels must lie in [0, {widths[-1]}), got [{int(y.min())}, {int(y.max())}]")
 
 
 def _loss_fn(loss: str) -> Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]:
@@ -207,12 +221,17 @@ def noisy_gradient_descent(
     Without ``generator`` the noise comes from OS entropy: the KL bound is over the noise, which an adversary
     who knows the generator's seed can subtract (the torch default generator is as public as its seed).
     """
-    # "not (x > 0)": NaN fails it, where it passed "x <= 0" into a NaN trajectory and NaN KL bounds
-    if not (0 < eta < math.inf and 0 < sigma < math.inf) or steps < 1:
-        raise ValueError(f"need finite eta > 0, sigma > 0 and steps >= 1 (got {eta}, {sigma}, {steps})")
-    check_finite(x_train, "training data")
+    eta, sigma = positive_finite(eta, "eta"), positive_finite(sigma, "sigma")
+    steps = whole_number(steps, "steps")
+    weight_decay = finite_at_least(weight_decay, "weight_decay")
+    _loss_fn(loss)
+    _outputs_and_jacobian_weights(model)
+    _check_records(model, x_train, y_train, "training data")
+    if (x_heldout is None) != (y_heldout is None):
+        # one without the other would silently drop every addition neighbour from the KL
+        raise ValueError("give the held-out records and their labels together (or neither)")
     if x_heldout is not None:
-        check_finite(x_heldout, "held-out data")
+        _check_records(model, x_heldout, y_heldout, "held-out data")  # type: ignore[arg-type]
     std = math.sqrt(noise_variance(eta, sigma))
     gaps, losses = [], []
     params = list(model.weights)  # type: ignore[attr-defined]
@@ -226,6 +245,10 @@ def noisy_gradient_descent(
             for p, g in zip(params, geometry.mean_grad):
                 noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
                 p.add_(-eta * (g + weight_decay * p) + std * noise)
+        if not (torch.isfinite(gaps[-1]).all() and all(torch.isfinite(p).all() for p in params)):
+            # a NaN gap is dropped by max() in numpy but not in torch: either way the KL would be meaningless
+            raise ValueError(f"noisy GD diverged at step {k + 1} (non-finite weights or gradient gaps); "
+                                     f"lower eta (got {eta:g}) or weight_decay")
     return torch.stack(gaps), np.asarray(losses)
 
 
@@ -248,8 +271,9 @@ def kl_trace(
     The noise comes from OS entropy unless ``seed`` is given: a seeded run is reproducible and its models are
     NOT private against anyone who knows ``seed`` (``trace.extra["randomness"]`` says which).  The trace itself
     is computed from the training records without noise (a measurement, not a private release)."""
-    if runs < 1:
-        raise ValueError("runs must be >= 1")
+    runs = whole_number(runs, "runs")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise ValueError(f"seed must be an integer or None (OS entropy), got {seed!r}")
     max_gaps, losses, models = [], [], []
     mean_gaps: Optional[Tensor] = None
     for r in range(runs):
@@ -276,15 +300,23 @@ def linearized_kl_bound(widths: Sequence[int], scheme: str, input_norm_sq: float
     (2 for cross-entropy), the Jacobian constant in time; divided by ``(n-1)^2`` (removal, the larger of the
     two closed forms; SPEC writes ``n^2``), times ``eta/(4 sigma^2)`` per step.
     """
-    if n_train < 2:
-        raise ValueError("n_train must be >= 2")
+    whole_number(n_train, "n_train", minimum=2)
+    steps = whole_number(steps, "steps")
+    eta, sigma = positive_finite(eta, "eta"), positive_finite(sigma, "sigma")
+    input_norm_sq = finite_at_least(input_norm_sq, "input_norm_sq")
+    loss_grad_sq = finite_at_least(loss_grad_sq, "loss_grad_sq")
     gap = 4.0 * loss_grad_sq * gradient_norm_at_init(widths, scheme, input_norm_sq) / (n_train - 1) ** 2
     return steps * kl_per_unit_gap(eta, sigma) * gap
 
 
+def _measured_kl(kl: float) -> float:
+    """A KL divergence is >= 0; a NaN or negative one is a failed measurement, not zero privacy loss."""
+    return finite_at_least(kl, "a KL divergence") if not math.isinf(kl) or kl < 0 else math.inf
+
+
 def kl_to_delta(kl: float) -> float:
     """KL privacy ``eps`` gives ``(0, min(1, sqrt(eps/2)))``-DP by Pinsker's inequality; 1 is vacuous (warned)."""
-    delta = math.sqrt(max(kl, 0.0) / 2.0)
+    delta = math.sqrt(_measured_kl(kl) / 2.0)
     if delta >= 1.0:
         warnings.warn(f"KL privacy {kl:.4g} >= 2 gives delta >= 1 by Pinsker's inequality: the bound is vacuous "
                       "(no guarantee)", stacklevel=2)
@@ -294,7 +326,7 @@ def kl_to_delta(kl: float) -> float:
 
 def membership_advantage_bound(kl: float) -> float:
     """Membership-inference advantage (TPR - FPR) bound from KL privacy: ``min(sqrt(eps/2), sqrt(1 - e^-eps))``."""
-    kl = max(kl, 0.0)
+    kl = _measured_kl(kl)
     return min(math.sqrt(kl / 2.0), math.sqrt(1.0 - math.exp(-kl)), 1.0)
 
 

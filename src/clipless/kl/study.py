@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..data.datasets import load_mnist
 from ..diagnostics.membership import loss_threshold_attack
 from ..diagnostics.plots import save_figure
+from ..nn.functional import positive_finite, whole_number
 from ..privacy.distributed import world
 from ..train.checkpoint import write_atomically
 from . import noisy_gd as klp
@@ -68,12 +69,9 @@ class KLStudyConfig:
         counts.update({f"widths[{i}]": (w, 1) for i, w in enumerate(self.widths)})
         counts.update({f"depths[{i}]": (L, 1) for i, L in enumerate(self.depths)})
         for name, (value, low) in counts.items():
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+            whole_number(value, name, low)
         for name in ("eta", "sigma", "mia_sigma"):
-            value = getattr(self, name)
-            if not (0 < value < float("inf")):
-                raise ValueError(f"{name} must be a positive finite number, got {value}")
+            positive_finite(getattr(self, name), name)
 
 
 def two_class_mnist(data_dir: str, digits: Tuple[int, int], n_train: int, n_heldout: int,

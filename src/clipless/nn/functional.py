@@ -113,8 +113,9 @@ def clip_norm_(tensor: torch.Tensor, max_norm: float) -> None:
 
 
 def positive_finite(value: float, name: str) -> float:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be positive and finite, got {value}")
+    """A scale, a step size or a norm: ``True`` would read as 1 and NaN would fail every comparison after it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
     return float(value)
 
 
