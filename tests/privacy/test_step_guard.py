@@ -934,3 +934,35 @@ def test_a_buffer_changed_by_the_forward_is_refused_and_put_back(frozen_paramete
     loss.per_example(model(x), y).sum().backward()
     steps, trained = engine.accountant.steps, [p.detach().clone() for p in model.parameters() if p.requires_grad]
     refused()
+
+
+@pytest.mark.parametrize("how", ["by_hand", "data", "load_state_dict"])
+def test_weights_changed_between_steps_are_refused_and_put_back(how):
+    """A weight changed outside the private step before the next forward (a hand-written update from a batch's
+    gradient, an assignment to ``.data``, a ``load_state_dict`` after the optimizer's) went into the model without
+    noise and the next step went through, so the model released it.  Refused now, the released weights put back."""
+    model, opt, loss, engine, x, y = _setup()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    released = [p.detach().clone() for p in model.parameters()]
+    loss.per_example(model(x), y).sum().backward()
+    update = {name: -0.1 * p.grad for name, p in model.named_parameters()}  # the batch's gradient, no noise
+    opt.zero_grad()
+    if how == "by_hand":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.add_(update[name])
+    elif how == "data":
+        model[0].weight.data = model[0].weight.data + update["0.weight"]
+    else:
+        model.load_state_dict({name: t + update[name] if name in update else t
+                               for name, t in model.state_dict().items()})
+    loss.per_example(model(x), y).sum().backward()
+    with pytest.raises(BoundError, match="weights of the private model changed outside the private step") as info:
+        opt.step()
+    assert "0.weight" in str(info.value) and engine.accountant.steps == 1
+    assert all(torch.equal(a, p) for a, p in zip(released, model.parameters()))
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()  # from the released weights, the loop goes on
+    opt.step()
+    assert engine.accountant.steps == 2

@@ -13,7 +13,7 @@ be the gradient of the **sum** of per-example losses of one Poisson batch
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,11 +31,11 @@ from .sampling import PoissonDataLoader
 __all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_"]
 
 
-def _kept_tensors(model: torch.nn.Module, stepped: Set[int]) -> Dict[str, torch.Tensor]:
-    """The buffers and the parameters the private step does not noise and step (frozen ones), by name."""
-    kept = {name: b for name, b in model.named_buffers()}
-    kept.update((name, p) for name, p in model.named_parameters() if id(p) not in stepped)
-    return kept
+def _model_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter (stepped or frozen) and buffer of the model, by name: what its ``state_dict`` releases."""
+    state = {name: b for name, b in model.named_buffers()}
+    state.update(model.named_parameters())
+    return state
 
 
 def snapshot_state(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -119,7 +119,7 @@ class DPOptimizer:
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
-        self._kept = self._snapshot_kept()  # as released: only a private step may change it
+        self._released_state = self._snapshot_released()  # only a private step may change it
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
@@ -222,18 +222,28 @@ class DPOptimizer:
                              "transform in the loop that maps distinct records to equal rows, such as rounding, "
                              "looks the same: apply it in the Dataset)")
 
-    def _snapshot_kept(self) -> Dict[str, torch.Tensor]:
-        return snapshot_state(_kept_tensors(self.bound_engine.model, self._bounded))
+    def _snapshot_released(self) -> Dict[str, torch.Tensor]:
+        return snapshot_state(_model_state(self.bound_engine.model))
 
-    def _check_kept_state(self) -> None:
-        """A buffer or frozen parameter changed since the last release (a layer's running statistic updated by the
-        forward, say) holds a function of the batch without noise, and the model's ``state_dict`` would release
-        it: refused, and put back, so that nothing of the batch stays in the model."""
-        current = _kept_tensors(self.bound_engine.model, self._bounded)
-        changed = changed_state(current, self._kept)
+    def _check_released_state(self) -> None:
+        """The model as the last private step released it, or refused and put back.  A weight changed outside
+        the step (``p -= lr * p.grad`` by hand, an assignment to ``.data``, ``load_state_dict`` after the
+        optimizer's) holds a batch's gradient without noise; a buffer or frozen parameter that a forward updates
+        (a running statistic) holds the batch itself; the model's ``state_dict`` would release either.  Put back,
+        nothing of the batch stays in the model."""
+        current = _model_state(self.bound_engine.model)
+        changed = changed_state(current, self._released_state)
         if not changed:
             return
-        restore_state_(current, self._kept)
+        restore_state_(current, self._released_state)
+        weights = [name for name in changed if name in current and id(current[name]) in self._bounded]
+        if weights:
+            raise BoundError(f"weights of the private model changed outside the private step since its last release "
+                             f"({', '.join(weights[:4])}): an update computed from a batch without noise (by hand, "
+                             "through .data, or a load_state_dict after the optimizer's) would be released with the "
+                             "model; they were put back. Change the weights only through the private optimizer's "
+                             "step(): set them before make_private (on a resume, load the model's state before the "
+                             "optimizer's)")
         raise BoundError(f"buffers or frozen parameters of the private model changed since the last private step "
                          f"({', '.join(changed[:4])}): state that a forward or backward updates (a running statistic) "
                          "holds the batch without noise and would be released with the model; it was put back. Only "
@@ -293,7 +303,7 @@ class DPOptimizer:
                              "after the backward) has a gradient: the optimizer would apply it without noise; "
                              "freeze parameters before the forward, or set their .grad to None")
         self.guard.check_sums(report)
-        self._check_kept_state()  # after the checks that name a replaced or frozen parameter more precisely
+        self._check_released_state()  # after the checks that name a replaced or frozen parameter more precisely
         return report
 
     def _release(self, params: List[torch.Tensor], report: BoundReport) -> None:
@@ -321,7 +331,7 @@ class DPOptimizer:
             else:  # the one-process call, as every PerStepMechanism implements it
                 clip.update_(self.expected_batch_size, self.generator)
         self.plan.account_step(self.accountant)
-        self._kept = self._snapshot_kept()  # as released (a noisy count may update a buffer)
+        self._released_state = self._snapshot_released()  # stepped and projected (a noisy count may update a buffer)
         self._steps_released += 1
         self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
 
@@ -339,7 +349,7 @@ class DPOptimizer:
         check_nothing_released(self._steps_released, "this private optimizer")
         self.original_optimizer.load_state_dict(state["optimizer"])
         resume_generator(self.generator, state["noise_generator"])
-        self._kept = self._snapshot_kept()  # the resumed model's, loaded before this
+        self._released_state = self._snapshot_released()  # the resumed model's, loaded before this
 
     def __repr__(self) -> str:
         return (
