@@ -57,7 +57,10 @@ def test_seeded_augmentations_repeat_and_secret_ones_differ() -> None:
 
 @pytest.mark.parametrize("kwargs,match", [({"blur": 0.05}, "blur"), ({"blur": float("nan")}, "blur"),
                                           ({"pixel_noise": -0.1}, "pixel_noise"),
-                                          ({"pixel_noise": float("inf")}, "pixel_noise")])
+                                          ({"pixel_noise": float("inf")}, "pixel_noise"),
+                                          # a shift of the whole side or more gave views of padding alone
+                                          ({"padding": 8}, r"padding .* in \[0, 8\)"), ({"padding": -1}, "padding"),
+                                          ({"padding": 1.5}, "padding"), ({"padding": True}, "padding")])
 def test_bad_augmentation_settings_are_refused(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         AugmentedPairs(torch.rand(4, 1, 8, 8), **kwargs)

@@ -83,8 +83,11 @@ class AugmentedPairs(Dataset):
                  blur: float = 0.0, pixel_noise: float = 0.0) -> None:
         if images.dim() != 4:
             raise ValueError(f"images must be (N, C, H, W), got shape {tuple(images.shape)}")
-        if padding < 0:
-            raise ValueError("padding must be >= 0")
+        side = min(images.shape[-2:])
+        if isinstance(padding, bool) or not isinstance(padding, int) or not 0 <= padding < side:
+            # a shift of a whole side or more crops views that are mostly or wholly the zero padding
+            raise ValueError(f"padding (the random-crop shift) must be an integer in [0, {side}) for "
+                             f"{tuple(images.shape[-2:])} images, got {padding!r}")
         self.check_settings(blur, pixel_noise)
         check_finite(images, "images")
         self.images, self.padding, self.flip = images, int(padding), bool(flip)
