@@ -207,7 +207,7 @@ def audit_step(
             with torch.no_grad():
                 score = sum(float((r.double() * w.double()).sum()) for r, w in zip(recorder.released, weights))
             scores[world].append(score * optimizer.expected_batch_size / mu_planned)
-            model.load_state_dict(saved)
+            optimizer.restart_from_(saved)  # the next step starts from the audited weights again
             if bar is not None:
                 bar.update(1)
     if bar is not None:

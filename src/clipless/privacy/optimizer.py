@@ -250,6 +250,13 @@ class DPOptimizer:
                          "the private step may change the model: use layers without such state (on a resume, load "
                          "the model's state before the optimizer's)")
 
+    def restart_from_(self, state: Dict[str, torch.Tensor]) -> None:
+        """Load ``state`` (a ``state_dict`` of the model) and take it as the released state: for a harness that
+        runs independent steps from the same weights, such as the step audit.  The accountant keeps composing every
+        step; a state the caller did not get from a release is the caller's own release."""
+        self.bound_engine.model.load_state_dict(state)
+        self._released_state = self._snapshot_released()
+
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         return self.original_optimizer.param_groups
