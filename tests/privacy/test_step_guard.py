@@ -966,3 +966,14 @@ def test_weights_changed_between_steps_are_refused_and_put_back(how):
     loss.per_example(model(x), y).sum().backward()  # from the released weights, the loop goes on
     opt.step()
     assert engine.accountant.steps == 2
+
+
+def test_a_cast_of_the_model_between_steps_is_no_change():
+    """``model.double()`` after ``make_private`` changes no value: the released-state check compares in the new dtype."""
+    model, opt, loss, engine, x, y = _setup()
+    model.double()
+    for _ in range(2):
+        opt.zero_grad()
+        loss.per_example(model(x.double()), y).sum().backward()
+        opt.step()
+    assert engine.accountant.steps == 2 and model[0].weight.dtype == torch.float64

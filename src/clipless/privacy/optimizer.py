@@ -44,9 +44,11 @@ def snapshot_state(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 
 def changed_state(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> List[str]:
-    """The names whose tensor differs from the snapshot (values compared element by element), added or removed."""
+    """The names whose tensor differs from the snapshot (values compared element by element), added or removed.
+    A cast of the model (``model.double()``, ``.to(device)``) is no change: the snapshot is compared in the
+    tensor's dtype and device."""
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.detach(), b.to(a.device))
+        return a.shape == b.shape and torch.equal(a.detach(), b.to(device=a.device, dtype=a.dtype))
     return sorted(name for name in set(current) | set(saved)
                   if name not in current or name not in saved or not same(current[name], saved[name]))
 
