@@ -969,7 +969,7 @@ def test_weights_changed_between_steps_are_refused_and_put_back(how):
 
 
 def test_a_cast_of_the_model_between_steps_is_no_change():
-    """``model.double()`` after ``make_private`` changes no value: the released-state check compares in the new dtype."""
+    """``model.double()`` after ``make_private`` changes no value: the released state is compared in the new dtype."""
     model, opt, loss, engine, x, y = _setup()
     model.double()
     for _ in range(2):
