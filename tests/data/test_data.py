@@ -51,6 +51,27 @@ def test_read_idx_roundtrip(tmp_path):
         fh.write(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + b"\x00" * 3)
     with pytest.raises(ValueError, match="expected 10 values"):
         read_idx(bad)
+    cut = tmp_path / "cut.idx"
+    cut.write_bytes(bytes([0, 0, 0x08, 3]) + struct.pack(">I", 10))  # a struct.error before
+    with pytest.raises(ValueError, match="cut short"):
+        read_idx(cut)
+
+
+def test_idx_labels_must_be_whole_numbers(tmp_path):
+    """Float IDX labels were truncated to integers (1.5 trained as class 1, NaN as whatever the cast gave)."""
+    from clipless.data import load_idx_images
+
+    for prefix in ("train", "t10k"):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", np.zeros((3, 4, 4)))
+    for labels, ok in (([0, 1.5, 2], False), ([0, float("nan"), 2], False), ([0, 1, 2], True)):
+        for prefix in ("train", "t10k"):
+            (tmp_path / f"{prefix}-labels-idx1-ubyte").write_bytes(
+                bytes([0, 0, 0x0D, 1]) + struct.pack(">I", 3) + np.array(labels, dtype=">f4").tobytes())
+        if ok:
+            assert load_idx_images(tmp_path).train.labels.tolist() == labels
+        else:
+            with pytest.raises(ValueError, match="non-integer labels"):
+                load_idx_images(tmp_path)
 
 
 def test_tabular_npz_and_csv(shared_data, tmp_path):

@@ -278,6 +278,8 @@ def read_idx(path: Union[str, Path]) -> np.ndarray:
     dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
     if dtype_code not in dtypes:
         raise ValueError(f"{path}: unknown IDX type code {dtype_code:#x}")
+    if len(raw) < 4 + 4 * ndim:
+        raise ValueError(f"{path} is cut short: its header declares {ndim} dimensions, the file ends first")
     dims = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
     data = np.frombuffer(raw, dtype=dtypes[dtype_code], offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
@@ -330,6 +332,9 @@ def load_idx_images(data_dir: Union[str, Path], name: str = "idx", image_shape: 
                              f"{tuple(parts[0].input_shape[1:])}")
         if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
             raise ValueError(f"{label_file} holds {labels.shape} labels for {images.shape[0]} images in {image_file}")
+        if labels.dtype.kind == "f" and not np.array_equal(labels, np.round(labels)):
+            raise ValueError(f"{label_file} holds non-integer labels (e.g. {labels[labels != np.round(labels)][0]}): "
+                             "class labels are whole numbers")
         if labels.size and (labels.min() < 0 or (num_classes is not None and labels.max() >= num_classes)):
             bad = int(labels.min()) if labels.min() < 0 else int(labels.max())
             allowed = f"0-{num_classes - 1}" if num_classes is not None else "0 and above"
