@@ -41,8 +41,14 @@ def test_cifar10_python_version(tmp_path) -> None:
 def test_cifar10_refusals(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="data_batch_1"):
         load_cifar10(tmp_path)
-    _write_cifar(tmp_path / "bad", labels=[0, 1, 2, 3, 4, 11])
-    with pytest.raises(ValueError, match="outside 0-9"):
+    for labels in ([0, 1, 2, 3, 4, 11], [0, 1, 2, 3, 4, 1.5]):  # 1.5 was trained as class 1
+        _write_cifar(tmp_path / "bad", labels=labels)
+        with pytest.raises(ValueError, match="not integers 0-9"):
+            load_cifar10(tmp_path / "bad")
+    _write_cifar(tmp_path / "bad")
+    with open(tmp_path / "bad" / "data_batch_2", "wb") as fh:  # pixels above 255 broke the [0, 1] scale
+        pickle.dump({b"data": np.full((2, 3072), 1000, dtype=np.int16), b"labels": [0, 1]}, fh)
+    with pytest.raises(ValueError, match="int16 pixels"):
         load_cifar10(tmp_path / "bad")
 
     class Evil:  # a pickle that would run code when loaded

@@ -392,8 +392,11 @@ def _cifar_batch(path: Path) -> Tuple[np.ndarray, np.ndarray]:
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.shape != (data.shape[0],):
         raise ValueError(f"{path} holds data of shape {data.shape} and {labels.shape} labels; CIFAR-10 batches hold "
                          "N x 3072 bytes and N labels")
-    if labels.size and (labels.min() < 0 or labels.max() > 9):
-        raise ValueError(f"{path} holds labels outside 0-9 (e.g. {int(labels.max())}): damaged or not CIFAR-10")
+    if data.dtype != np.uint8:  # the [0, 1] scale (and so the pixel input bound) assumes bytes
+        raise ValueError(f"{path} holds {data.dtype} pixels; CIFAR-10 batches hold unsigned bytes")
+    if labels.size and (labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"{path} holds labels that are not integers 0-9 ({labels.dtype} in [{labels.min()}, "
+                         f"{labels.max()}]): damaged or not CIFAR-10")
     return data.astype(np.float32).reshape(-1, 3, 32, 32) / 255.0, labels.astype(np.int64)
 
 
