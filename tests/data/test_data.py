@@ -86,6 +86,17 @@ def test_tabular_npz_and_csv(shared_data, tmp_path):
     csv.write_text("a,b,label\n" + rows + "\n")
     d2 = cl.load_tabular(csv, label_column="label")
     assert d2.input_shape == (2,) and len(d2.train) == 40
+    assert cl.load_tabular(csv, label_column=-1).input_shape == (2,)
+
+
+@pytest.mark.parametrize("column, match", [("foo", "no column named 'foo'"), (3, r"index in \[-3, 3\)"),
+                                           (-4, r"index in \[-3, 3\)"), (True, "got True")])
+def test_tabular_label_column_refused_by_name(tmp_path, column, match):
+    """A bad label column failed with "'foo' is not in list" or an IndexError; True read as column 1."""
+    csv = tmp_path / "t.csv"
+    csv.write_text("a,b,label\n" + "\n".join(f"{i},{i * 0.5},{i % 2}" for i in range(20)) + "\n")
+    with pytest.raises(ValueError, match=match):
+        cl.load_tabular(csv, label_column=column)
 
 
 def test_tabular_nan_refused(tmp_path):

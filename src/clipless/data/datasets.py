@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import numbers
 import struct
 import zlib
 from dataclasses import dataclass
@@ -492,7 +493,18 @@ def load_tabular(
         has_header = any(not _is_number(h) for h in header)
         table = np.genfromtxt(p, delimiter=",", skip_header=1 if has_header else 0, dtype=np.float64)
         table = np.atleast_2d(table)
-        col = header.index(label_column) if isinstance(label_column, str) else label_column
+        width = table.shape[1]
+        if isinstance(label_column, str):
+            if not has_header or label_column not in header:
+                raise ValueError(f"{p.name} has no column named {label_column!r}" +
+                                 (f" (its columns: {', '.join(header)})" if has_header else " (it has no header)"))
+            col = header.index(label_column)
+        elif isinstance(label_column, bool) or not isinstance(label_column, numbers.Integral) or not (
+                -width <= label_column < width):
+            raise ValueError(f"label_column must be a column name or an index in [-{width}, {width}) for the "
+                             f"{width} columns of {p.name}, got {label_column!r}")
+        else:
+            col = int(label_column)
         y = table[:, col]
         x = np.delete(table, col % table.shape[1], axis=1)
     else:
