@@ -664,7 +664,9 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
     import io
 
     from .nn.export import export
+    from .privacy.accounting import PrivacyAccountant
     from .privacy.modules import project_all_
+    from .privacy.randomness import randomness_label
     from .train.checkpoint import load_checkpoint, write_atomically
 
     target = path or out_dir / "model.pt2"
@@ -693,9 +695,14 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
     torch.export.save(torch.export.export(exported, (x[:2],), dynamic_shapes=({0: batch},)), buffer)
     target.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(target, buffer.getvalue())
+    # the exported model is a release: it carries the guarantee of the steps that made it, or says it has none
+    accountant = PrivacyAccountant(state["accountant"]["mechanism"])
+    accountant.load_state_dict(state["accountant"])
     return {"path": str(target), "layers": len(exported), "checked_examples": int(x.shape[0]),
             "max_abs_difference": float((ours - theirs).abs().max()),
-            "prediction_agreement": float((ours.argmax(1) == theirs.argmax(1)).float().mean())}
+            "prediction_agreement": float((ours.argmax(1) == theirs.argmax(1)).float().mean()),
+            "epsilon": accountant.get_epsilon(config["delta"]), "delta": config["delta"],
+            "accountant": accountant.mechanism, "steps": int(state["steps"]), **randomness_label(config["noise_seed"])}
 
 
 def _write_result(out_dir: Path, result: Dict[str, Any], name: str = "result.json") -> Dict[str, Any]:
@@ -1003,7 +1010,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"exported {record['layers']} standard layers to {record['path']}: max |output difference| "
               f"{record['max_abs_difference']:.2g} on {record['checked_examples']} test examples, predictions "
               f"agree on {100 * record['prediction_agreement']:.2f}%; load with torch.export.load(path).module() "
-              "(no clipless needed)")
+              f"(no clipless needed); trained in {record['steps']} private step(s): epsilon {record['epsilon']:.3f} (delta "
+              f"{record['delta']:g}, {record['accountant']}), {_privacy_status(record)}")
     elif args.command == "audit":
         config = resolve_config(args)
         record = run_audit(config, args)

@@ -77,11 +77,16 @@ def test_layers_without_a_standard_equivalent_are_refused_with_the_fix() -> None
         cl.export(cl.lipschitz_resnet((1, 8, 8), 3, channels=(4,)), (1, 8, 8))
 
 
-def test_cli_export_of_a_trained_run(tmp_path) -> None:
+def test_cli_export_of_a_trained_run(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert main(["train", "--epochs", "1", "--batch-size", "256", "--hidden", "16", "--no-progress", "--accountant",
                  "rdp", "--features", "none", "--output-dir", str(out)]) == 0
+    capsys.readouterr()
     assert main(["export", "--output-dir", str(out)]) == 0
+    # the export is a release: it states the run's epsilon and whether its randomness was secret
+    epsilon = json.loads((out / "result.json").read_text())["epsilon"]
+    printed = capsys.readouterr().out
+    assert f"epsilon {epsilon:.3f} (delta 1e-05, rdp)" in printed and "private (noise and batches from OS" in printed
     model = torch.export.load(str(out / "model.pt2")).module()
     data = cl.load_digits()
     x = torch.stack([data.test[i][0] for i in range(len(data.test))])
@@ -90,8 +95,11 @@ def test_cli_export_of_a_trained_run(tmp_path) -> None:
     assert accuracy == pytest.approx(json.loads((out / "result.json").read_text())["test_accuracy"], abs=1e-6)
     # the default run (scattering features into a linear head): the export takes the features, and agrees
     default = tmp_path / "default"
-    assert main(["train", "--epochs", "1", "--no-progress", "--accountant", "rdp", "--output-dir", str(default)]) == 0
+    assert main(["train", "--epochs", "1", "--no-progress", "--accountant", "rdp", "--noise-seed", "3",
+                 "--output-dir", str(default)]) == 0
+    capsys.readouterr()
     assert main(["export", "--output-dir", str(default)]) == 0
+    assert "NOT PRIVATE: noise and sampling come from a fixed seed" in capsys.readouterr().out  # said nothing before
     with pytest.raises(SystemExit, match="cannot read checkpoint|checkpoint"):
         main(["export", "--output-dir", str(tmp_path / "missing")])
     # --out into a directory that does not exist yet creates it; --out naming a directory is refused
