@@ -1010,8 +1010,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"exported {record['layers']} standard layers to {record['path']}: max |output difference| "
               f"{record['max_abs_difference']:.2g} on {record['checked_examples']} test examples, predictions "
               f"agree on {100 * record['prediction_agreement']:.2f}%; load with torch.export.load(path).module() "
-              f"(no clipless needed); trained in {record['steps']} private step(s): epsilon {record['epsilon']:.3f} (delta "
-              f"{record['delta']:g}, {record['accountant']}), {_privacy_status(record)}")
+              f"(no clipless needed); trained in {record['steps']} private step(s): epsilon "
+              f"{record['epsilon']:.3f} (delta {record['delta']:g}, {record['accountant']}), {_privacy_status(record)}")
     elif args.command == "audit":
         config = resolve_config(args)
         record = run_audit(config, args)
