@@ -350,6 +350,37 @@ def test_a_saved_state_cannot_roll_back_released_steps():
     assert torch.equal(opt.generator.get_state(), drawn) and engine.accountant.steps == 1
 
 
+def test_a_resume_of_the_optimizer_alone_keeps_composing_its_steps():
+    """Opacus-style resume: the model's and the optimizer's state saved, the accountant's forgotten.  Before, the
+    fresh engine reported the epsilon of the new steps only; the optimizer's state now carries the history of the
+    steps it came from, and loading it composes them."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    batches = iter(loader)
+    for _ in range(2):
+        opt.zero_grad()
+        bx, by = next(batches)
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+    saved_model, saved_opt, epsilon = model.state_dict(), opt.state_dict(), engine.get_epsilon(1e-5)
+    model, opt, loss, engine, _, loader = _setup_with_loader()  # a new process
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    assert engine.accountant.steps == 2 and engine.get_epsilon(1e-5) == epsilon
+    # a state without the history (an older version) loads only into an accountant that holds the steps already
+    old = {k: v for k, v in saved_opt.items() if k != "accountant"}
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    with pytest.raises(ValueError, match="records no accountant history"):
+        opt.load_state_dict(old)
+    engine.accountant.load_state_dict(saved_opt["accountant"])
+    opt.load_state_dict(old)
+    assert engine.accountant.steps == 2
+    # another history than the accountant's own is a rollback of its steps
+    _, other, _, other_engine, _, _ = _setup_with_loader()
+    other_engine.accountant.step(1.0, 0.5)
+    with pytest.raises(ValueError, match="optimizer's accountant has already released 1 private step"):
+        other.load_state_dict(saved_opt)
+
+
 def test_a_compiled_training_forward_is_refused_clearly():
     """``torch.compile(model)`` of the private model: before, its training forward died inside dynamo with
     "InternalTorchDynamoError: AttributeError: 'NoneType' object has no attribute 'is_nested'"; now a BoundError

@@ -348,16 +348,35 @@ class DPOptimizer:
         return {
             "optimizer": self.original_optimizer.state_dict(),
             "noise_generator": saved_generator_state(self.generator),
+            # the steps the inner state comes from: a resume that loads it goes on composing them
+            "accountant": self.accountant.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """The inner optimizer's state, and the noise generator's when it was given (a fixed seed, for a
-        reproducible experiment).  A secret generator keeps its fresh OS-entropy state: the noise only has to be
-        secret, and two runs resumed from one state would otherwise draw the same noise, so that the
-        difference of their releases would show the difference of their gradients without noise."""
+        """The inner optimizer's state, the accountant's history of the steps that produced it, and the noise
+        generator's state when it was given (a fixed seed, for a reproducible experiment).  The history goes into
+        this optimizer's accountant (fresh, or already holding that history): a resume of the optimizer alone
+        would otherwise report the epsilon of its new steps only.  A secret generator keeps its fresh OS-entropy
+        state: the noise only has to be secret, and two runs resumed from one state would otherwise draw the same
+        noise, so that the difference of their releases would show the difference of their gradients without
+        noise."""
         check_nothing_released(self._steps_released, "this private optimizer")
+        saved = state.get("accountant")
+        mine = (self.accountant.mechanism, [tuple(e) for e in self.accountant.history])
+        if saved is None:
+            if self.accountant.steps == 0:
+                raise ValueError("this optimizer state records no accountant history (saved by an older version): "
+                                 "load the accountant's saved state first (engine.accountant.load_state_dict), so "
+                                 "that epsilon counts the steps the state came from")
+        elif (saved.get("mechanism"), [tuple(e) for e in saved.get("history", [])]) != mine:
+            if saved.get("mechanism") != self.accountant.mechanism:
+                raise ValueError(f"this optimizer state was accounted with the {saved.get('mechanism')!r} accountant, "
+                                 f"this run uses {self.accountant.mechanism!r}: resume with the same accountant")
+            check_nothing_released(self.accountant.steps, "this optimizer's accountant")
         self.original_optimizer.load_state_dict(state["optimizer"])
         resume_generator(self.generator, state["noise_generator"])
+        if saved is not None and self.accountant.steps == 0:
+            self.accountant.load_state_dict(saved)
         self._released_state = self._snapshot_released()  # the resumed model's, loaded before this
 
     def __repr__(self) -> str:

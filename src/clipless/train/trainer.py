@@ -405,8 +405,8 @@ class PrivateTrainer:
         self.module.load_state_dict(state["model"])
         if self.averaged_model is not None:
             self.averaged_model.load_state_dict(state["averaged_model"])
-        self.optimizer.load_state_dict(state["optimizer"])
         self.accountant.load_state_dict(state["accountant"])
+        self.optimizer.load_state_dict(state["optimizer"])  # its own history, if recorded, is the same
         streams = rank_streams[self.rank]
         resume_generator(self.sampling_generator, streams["sampling_generator"])
         if self.augment_generator is not None:
