@@ -44,10 +44,11 @@ def _setup_with_loader(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=t
     return model, opt, loss, engine, data, loader
 
 
-def _refused(opt, engine, match):
-    """The step raises a BoundError naming the slip and the fix; nothing is released or accounted."""
+def _refused(opt, engine, match, released=None):
+    """The step raises a BoundError naming the slip and the fix; nothing is released or accounted, and the model
+    holds the weights it last released (``released``, by default the weights as they are before the step)."""
     steps = engine.accountant.steps
-    weights = [p.detach().clone() for p in opt.bound_engine.model.parameters()]
+    weights = released or [p.detach().clone() for p in opt.bound_engine.model.parameters()]
     with pytest.raises(BoundError, match=match) as info:
         opt.step()
     assert engine.accountant.steps == steps
@@ -584,19 +585,20 @@ def test_loss_declaring_a_wrong_constant_is_caught_at_the_output():
 def test_weights_changed_between_forward_and_step_refused(how):
     model, opt, loss, engine, x, y = _setup()
     w = model[0].weight
+    released = [p.detach().clone() for p in model.parameters()]  # x 5 / 5 need not give them back bit for bit
     if how == "in_place":
         with torch.no_grad():
             w.mul_(5)
         loss.per_example(model(x), y).sum().backward()
         with torch.no_grad():
             w.div_(5)
-        _refused(opt, engine, "weights changed between the forward and the step")
+        _refused(opt, engine, "weights changed between the forward and the step", released)
     else:  # .data escapes autograd's version counter
         out = model(x)
         w.data.mul_(5)
         loss.per_example(out, y).sum().backward()
         w.data.div_(5)
-        _refused(opt, engine, "weights changed between the forward and its backward")
+        _refused(opt, engine, "weights changed between the forward and its backward", released)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -997,6 +999,27 @@ def test_weights_changed_between_steps_are_refused_and_put_back(how):
     loss.per_example(model(x), y).sum().backward()  # from the released weights, the loop goes on
     opt.step()
     assert engine.accountant.steps == 2
+
+
+def test_a_refused_step_leaves_the_released_weights_whichever_check_refuses_it():
+    """A hand update from one batch's gradient, then a step refused for another slip (two batches drawn): the
+    refusal named the slip, and the updated weights stayed in the model, where the next save would release them.
+    Any refusal now puts the released state back."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    batches = iter(loader)
+    bx, by = next(batches)
+    loss.per_example(model(bx), by).sum().backward()
+    opt.step()
+    released = [p.detach().clone() for p in model.parameters()]
+    bx, by = next(batches)
+    loss.per_example(model(bx), by).sum().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1 * p.grad)
+    opt.zero_grad()
+    bx, by = next(batches)
+    loss.per_example(model(bx), by).sum().backward()
+    _refused(opt, engine, "2 batches were drawn", released)
 
 
 def test_a_cast_of_the_model_between_steps_is_no_change():

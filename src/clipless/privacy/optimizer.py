@@ -231,13 +231,12 @@ class DPOptimizer:
         """The model as the last private step released it, or refused and put back.  A weight changed outside
         the step (``p -= lr * p.grad`` by hand, an assignment to ``.data``, ``load_state_dict`` after the
         optimizer's) holds a batch's gradient without noise; a buffer or frozen parameter that a forward updates
-        (a running statistic) holds the batch itself; the model's ``state_dict`` would release either.  Put back,
-        nothing of the batch stays in the model."""
+        (a running statistic) holds the batch itself; the model's ``state_dict`` would release either.  The refused
+        step puts the released state back (:meth:`step`), so nothing of the batch stays in the model."""
         current = _model_state(self.bound_engine.model)
         changed = changed_state(current, self._released_state)
         if not changed:
             return
-        restore_state_(current, self._released_state)
         weights = [name for name in changed if name in current and id(current[name]) in self._bounded]
         if weights:
             raise BoundError(f"weights of the private model changed outside the private step since its last release "
@@ -289,6 +288,10 @@ class DPOptimizer:
                 params, report = same_outcome_on_all_ranks(checked, next(self.bound_engine.model.parameters()).device)
             with unwatched(params):
                 self._release(params, report)
+        except BaseException:
+            # refused (or failed while releasing): nothing of the batch stays in the model, whichever check spoke
+            restore_state_(_model_state(self.bound_engine.model), self._released_state)
+            raise
         finally:  # released or refused, the batches drawn so far are spent: the next step needs a new one
             if self._batches is not None:
                 self._batches_released = self._batches.batches_drawn
