@@ -246,9 +246,9 @@ def noisy_gradient_descent(
                 noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
                 p.add_(-eta * (g + weight_decay * p) + std * noise)
         if not (torch.isfinite(gaps[-1]).all() and all(torch.isfinite(p).all() for p in params)):
-            # a NaN gap is dropped by max() in numpy but not in torch: either way the KL would be meaningless
+            # every later gap, and so the KL, would be NaN: stop where the trajectory left the finite numbers
             raise ValueError(f"noisy GD diverged at step {k + 1} (non-finite weights or gradient gaps); "
-                                     f"lower eta (got {eta:g}) or weight_decay")
+                             f"lower eta (got {eta:g}) or weight_decay")
     return torch.stack(gaps), np.asarray(losses)
 
 
