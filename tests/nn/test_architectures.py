@@ -93,6 +93,19 @@ def test_mixer_rejects_patches_that_do_not_tile():
         cl.lipschitz_mixer((1, 8, 8), 10, patch_size=3)
 
 
+@pytest.mark.parametrize("build, width", [
+    (lambda: cl.lipschitz_cnn(SHAPE, CLASSES, channels=(2, 4), activation="groupsort4"), 2),
+    (lambda: cl.lipschitz_mlp(SHAPE, CLASSES, hidden=(3,)), 3),
+    (lambda: cl.lipschitz_vgg(SHAPE, CLASSES, channels=(4,), hidden=(6,), activation="groupsort4"), 6),
+    (lambda: cl.lipschitz_resnet(SHAPE, CLASSES, channels=(4, 5)), 5),
+    (lambda: cl.lipschitz_mixer(SHAPE, CLASSES, patch_size=4, channels=8, token_hidden=6, activation="groupsort4"), 6),
+])
+def test_an_activation_whose_groups_do_not_split_a_width_is_refused_when_built(build, width):
+    """Refused at the first forward before, as "2 features are not divisible into groups of 4", naming no setting."""
+    with pytest.raises(ValueError, match=f"a layer of {width} features"):
+        build()
+
+
 def test_permute_rejects_the_batch_axis():
     with pytest.raises(ValueError, match="permutation"):
         cl.Permute(0, 1)

@@ -44,12 +44,20 @@ __all__ = [
 ]
 
 
-def _activation(name: str, dim: int = 1) -> nn.Module:
+def _activation(name: str, width: int, dim: int = 1) -> nn.Module:
+    """The activation after a layer of ``width`` features (channels, units), refused when they do not split into its
+    groups: named here, where the first forward would only say how many features there were."""
     if name == "maxmin":
-        return MaxMin(dim)
-    if name.startswith("groupsort"):
-        return GroupSort(int(name[len("groupsort") :] or 2), dim)
-    raise ValueError(f"unknown activation {name!r} (maxmin, groupsort4, ...)")
+        layer: nn.Module = MaxMin(dim)
+    elif name.startswith("groupsort"):
+        layer = GroupSort(int(name[len("groupsort") :] or 2), dim)
+    else:
+        raise ValueError(f"unknown activation {name!r} (maxmin, groupsort4, ...)")
+    if width % layer.group_size:  # type: ignore[operator]
+        raise ValueError(f"activation {name} sorts groups of {layer.group_size} features: a layer of {width} "
+                         f"features (a width or channel count) does not split into them; use multiples of "
+                         f"{layer.group_size}")
+    return layer
 
 
 def lipschitz_mlp(
@@ -80,7 +88,7 @@ def lipschitz_mlp(
     layers.append(nn.Flatten())
     width = math.prod(shape)
     for h in hidden:
-        layers += [LipschitzLinear(width, h, bias=bias, projection=projection), _activation(activation)]
+        layers += [LipschitzLinear(width, h, bias=bias, projection=projection), _activation(activation, h)]
         width = h
     layers.append(LipschitzLinear(width, num_classes, bias=bias, projection=projection))
     return nn.Sequential(*layers)
@@ -100,7 +108,7 @@ def _stem(input_shape: Sequence[int], input_clip: Optional[float], input_pool: i
 def _dense_head(width: int, hidden: Sequence[int], num_classes: int, activation: str) -> list:
     layers: list = [nn.Flatten()]
     for units in hidden:
-        layers += [LipschitzLinear(width, units), _activation(activation)]
+        layers += [LipschitzLinear(width, units), _activation(activation, units)]
         width = units
     layers.append(LipschitzLinear(width, num_classes))
     return layers
@@ -147,7 +155,7 @@ def lipschitz_cnn(
     _check_channels(channels, "cnn")
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
-        layers += [_conv(c, ch, kernel_size, conv, operator_norm, projection), _activation(activation)]
+        layers += [_conv(c, ch, kernel_size, conv, operator_norm, projection), _activation(activation, ch)]
         if pool > 1 and h >= pool and w >= pool:
             layers.append(L2NormPool2d(pool))
             h, w = h // pool, w // pool
@@ -177,7 +185,7 @@ def lipschitz_vgg(
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
         for _ in range(convs_per_stage):
-            layers += [_conv(c, ch, kernel_size, conv, operator_norm), _activation(activation)]
+            layers += [_conv(c, ch, kernel_size, conv, operator_norm), _activation(activation, ch)]
             c = ch
         if h >= 2 and w >= 2:
             layers.append(L2NormPool2d(2))
@@ -207,12 +215,12 @@ def lipschitz_resnet(
     _check_channels(channels, "resnet")
     layers, c, h, w = _stem(input_shape, input_clip, input_pool)
     for ch in channels:
-        layers += [_conv(c, ch, kernel_size, conv, operator_norm), _activation(activation)]
+        layers += [_conv(c, ch, kernel_size, conv, operator_norm), _activation(activation, ch)]
         c = ch
         for _ in range(blocks_per_stage):
             branch = nn.Sequential(
                 _conv(c, c, kernel_size, conv, operator_norm),
-                _activation(activation),
+                _activation(activation, c),
                 _conv(c, c, kernel_size, conv, operator_norm),
             )
             layers.append(Residual(branch))
@@ -254,7 +262,7 @@ def lipschitz_mixer(
     ]
 
     def mlp(width: int, inner: int) -> list:
-        return [LipschitzLinear(width, inner), _activation_last(activation), LipschitzLinear(inner, width)]
+        return [LipschitzLinear(width, inner), _activation_last(activation, inner), LipschitzLinear(inner, width)]
 
     for _ in range(blocks):
         token_mixing = nn.Sequential(LayerCentering(dims=-1), Permute(2, 1), *mlp(tokens, token_hidden), Permute(2, 1))
@@ -263,9 +271,9 @@ def lipschitz_mixer(
     return nn.Sequential(*layers, *_dense_head(tokens * channels, hidden, num_classes, activation))
 
 
-def _activation_last(name: str) -> nn.Module:
+def _activation_last(name: str, width: int) -> nn.Module:
     """The activation grouping features along the last axis (dense maps on ``(tokens, channels)`` arrays)."""
-    return _activation(name, dim=-1)
+    return _activation(name, width, dim=-1)
 
 
 MODELS: Dict[str, Callable[..., nn.Module]] = {
