@@ -793,12 +793,13 @@ class StepGuard:
         parts = [d for task in self._released for d in self._digests.get(task, [])]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
-    def finish_step(self, params: Sequence[torch.Tensor]) -> None:
-        """After a released step: clear the gradients and start the next step."""
+    def finish_step(self, params: Sequence[torch.Tensor], weights: Optional[List[torch.Tensor]] = None) -> None:
+        """After a released step: clear the gradients and start the next step.  ``weights``: copies of
+        ``self.params`` as released, which the next forward compares with instead of copying them again."""
         for p in params:
             p.grad = None
         self.epoch += 1
-        self._snapshot = None
+        self._snapshot = weights
         self.clear_gradient_state()
 
 

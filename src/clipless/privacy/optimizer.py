@@ -130,6 +130,8 @@ class DPOptimizer:
                                [p for layer in report.layers for p in layer.params],
                                bound_engine.loss, lambda: bound_engine.loss_lipschitz,
                                rows_per_example=augmentation_multiplicity)
+        names = {id(p): name for name, p in bound_engine.model.named_parameters()}
+        self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
 
     # Read-only views of the plan (one meaning each, see clipless.privacy.calibration).
     @property
@@ -345,7 +347,10 @@ class DPOptimizer:
         self.plan.account_step(self.accountant)
         self._released_state = self._snapshot_released()  # stepped and projected (a noisy count may update a buffer)
         self._steps_released += 1
-        self.guard.finish_step(params)  # the next step needs a new batch's backward; no zero_grad can be forgotten
+        # the next step needs a new batch's backward (no zero_grad can be forgotten); its forward compares the
+        # weights with the released copies (a copy that does not match is made again there)
+        released = [self._released_state.get(name) for name in self._guard_weight_names]
+        self.guard.finish_step(params, None if any(w is None for w in released) else released)  # type: ignore[arg-type]
 
     def state_dict(self) -> Dict[str, Any]:
         return {
