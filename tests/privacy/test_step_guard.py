@@ -382,6 +382,24 @@ def test_a_resume_of_the_optimizer_alone_keeps_composing_its_steps():
         other.load_state_dict(saved_opt)
 
 
+@pytest.mark.parametrize("state", ["inner", None, [1], "no_generator"])
+def test_a_state_that_is_not_a_private_optimizers_is_refused_clearly(state):
+    """Before: the inner optimizer's own state_dict (a natural mistake on a resume) raised ``KeyError:
+    'optimizer'``, None or a list an AttributeError, a state without the generator ``KeyError``.  Nothing is
+    loaded."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    engine.accountant.step(1.0, 0.01)  # the history loaded first, as an older resume does
+    saved = opt.state_dict()
+    given = (opt.original_optimizer.state_dict() if state == "inner" else
+             {k: v for k, v in saved.items() if k != "noise_generator"} if state == "no_generator" else state)
+    with pytest.raises(ValueError, match="not a private optimizer's state: " + (
+            "this is a torch optimizer's state_dict" if state == "inner" else "expected the dict")):
+        opt.load_state_dict(given)
+    assert engine.accountant.steps == 1
+    with pytest.raises(ValueError, match="accountant state must contain"):
+        cl.PrivacyAccountant("pld").load_state_dict(state)
+
+
 def test_a_compiled_training_forward_is_refused_clearly():
     """``torch.compile(model)`` of the private model: before, its training forward died inside dynamo with
     "InternalTorchDynamoError: AttributeError: 'NoneType' object has no attribute 'is_nested'"; now a BoundError

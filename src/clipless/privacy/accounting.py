@@ -248,7 +248,7 @@ class PrivacyAccountant:
         return {"mechanism": self.mechanism, "history": self.history}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if "history" not in state or "mechanism" not in state:
+        if not isinstance(state, dict) or "history" not in state or "mechanism" not in state:
             raise ValueError("accountant state must contain 'mechanism' and 'history'")
         check_nothing_released(self.steps, "this accountant")
         loaded = PrivacyAccountant(state["mechanism"])

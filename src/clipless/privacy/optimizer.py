@@ -369,6 +369,14 @@ class DPOptimizer:
         noise, so that the difference of their releases would show the difference of their gradients without
         noise."""
         check_nothing_released(self._steps_released, "this private optimizer")
+        if not isinstance(state, dict) or not {"optimizer", "noise_generator"} <= set(state):
+            inner = isinstance(state, dict) and {"state", "param_groups"} <= set(state)
+            raise ValueError("not a private optimizer's state: " + (
+                "this is a torch optimizer's state_dict, which records neither the noise generator nor the "
+                "steps it came from; save and load dp_optimizer.state_dict()" if inner else
+                f"expected the dict of DPOptimizer.state_dict() ('optimizer', 'noise_generator', 'accountant'), "
+                f"got {type(state).__name__}" + (f" with keys {sorted(map(str, state))}"
+                                                 if isinstance(state, dict) else "")))
         saved = state.get("accountant")
         mine = (self.accountant.mechanism, [tuple(e) for e in self.accountant.history])
         if saved is None:
