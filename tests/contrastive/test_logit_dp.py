@@ -20,6 +20,7 @@ from clipless.train.checkpoint import fingerprint_key_path, load_checkpoint, sav
 from clipless.cli import main as cli_main
 from clipless.data.datasets import load_digits
 from clipless.contrastive.logit_dp import (
+    LOSS_FUNCTIONS,
     clip_factors,
     logit_dp_gradient,
     logit_dp_sensitivity,
@@ -28,6 +29,7 @@ from clipless.contrastive.logit_dp import (
     naive_dp_sensitivity,
     normalized_embedding,
     pair_gradient_norms,
+    pair_logits,
     similarity_logits,
 )
 from clipless.contrastive.pairs import AugmentedPairs, GivenPairs, random_crop_flip
@@ -969,6 +971,44 @@ def test_private_pretraining_refuses_an_encoder_that_keeps_batch_statistics(meth
     enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 8))
     ContrastivePretrainer(enc, torch.optim.SGD(enc.parameters(), lr=0.1), pairs, method="nonprivate", batch_size=64,
                           epochs=1, progress=False, log=None)
+
+
+@pytest.mark.parametrize("how", ["by_hand", "optimizer", "load_state_dict"])
+@pytest.mark.parametrize("method", ["naive_dp", "logit_dp"])
+def test_an_encoder_changed_between_private_steps_is_refused_and_put_back(method, how, tmp_path) -> None:
+    """Before, an update made outside the pre-trainer between two private steps (a non-private step on the training pairs,
+    by hand or with the pre-trainer's own optimizer, or a load_state_dict) went into the encoder un-noised: the
+    next fit and the checkpoint released it.  Now the next step, and a checkpoint, refuse it and put the released
+    encoder back."""
+    t = _trainer(method, epochs=1)
+    xa, xb = t.pairs.gather(list(range(64)))
+    t._step(xa, xb)  # a released private step
+    released = {k: v.clone() for k, v in t.encoder.state_dict().items()}
+    for p in t.encoder.parameters():
+        p.grad = None
+    LOSS_FUNCTIONS["contrastive"](pair_logits(t.encoder, xa, xb, 1.0)).backward()  # no clip, no noise
+    with torch.no_grad():
+        if how == "by_hand":
+            for p in t.encoder.parameters():
+                p -= 0.1 * p.grad
+        elif how == "optimizer":
+            t.optimizer.step()
+        else:
+            t.encoder.load_state_dict({k: v + 0.01 for k, v in released.items()})
+    steps = t.accountant.steps
+    with pytest.raises(ValueError, match="the encoder changed outside the private pre-training"):
+        t.save_checkpoint(tmp_path / "ckpt.pt")
+    assert not (tmp_path / "ckpt.pt").exists()
+    assert all(torch.equal(v, released[k]) for k, v in t.encoder.state_dict().items())
+    with torch.no_grad():
+        next(t.encoder.parameters()).add_(1.0)
+    with pytest.raises(ValueError, match="the encoder changed outside the private pre-training"):
+        t._step(xa, xb)
+    assert all(torch.equal(v, released[k]) for k, v in t.encoder.state_dict().items())
+    assert t.accountant.steps == steps
+    t._step(xa, xb)  # the released encoder goes on training privately
+    assert t.accountant.steps == steps + 1
+    t.save_checkpoint(tmp_path / "ckpt.pt")
 
 
 def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:

@@ -226,6 +226,8 @@ class ContrastivePretrainer:
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
         self._wall = 0.0
+        # the encoder as given, then as each private step released it: nothing else may change it
+        self._released = None if self.accountant is None else snapshot_state(encoder.state_dict())
 
     @property
     def epsilon(self) -> Optional[float]:
@@ -234,9 +236,23 @@ class ContrastivePretrainer:
     def _budget_spent(self) -> bool:
         return self.plan is not None and self.plan.max_steps is not None and self.steps >= self.plan.max_steps
 
+    def _check_released(self) -> None:
+        """The encoder as given or as the last private step released it.  A change since (a step of the optimizer
+        outside the pre-trainer, ``p -= lr * p.grad`` by hand, a ``load_state_dict``) holds what it was computed
+        from without noise, and the encoder would release it: refused, and the released state put back."""
+        changed = changed_state(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
+        if changed:
+            restore_state_(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
+            raise ValueError(f"the encoder changed outside the private pre-training since its last release "
+                             f"({', '.join(changed[:4])}): an update without noise would be released with it; it "
+                             "was put back. Set the encoder's weights before creating the pre-trainer (a resume: "
+                             "load_checkpoint), and change them only through fit()")
+
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
         self.encoder.train()
-        before = None if self.accountant is None else snapshot_state(self.encoder.state_dict())
+        before = self._released
+        if before is not None:
+            self._check_released()
         try:
             if self.method == "logit_dp":
                 stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method,
@@ -264,6 +280,8 @@ class ContrastivePretrainer:
                 if p.grad is not None:
                     p.grad /= self.batch_size
         self.optimizer.step()
+        if self.accountant is not None:
+            self._released = snapshot_state(self.encoder.state_dict())
         self.steps += 1
         return stats
 
@@ -344,6 +362,8 @@ class ContrastivePretrainer:
     def save_checkpoint(self, path: Union[str, Path]) -> None:
         """Encoder, optimizer, progress, RNG states, augmentation state and the accountant's history (atomic,
         checksummed: :mod:`clipless.train.checkpoint`)."""
+        if self._released is not None:
+            self._check_released()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         sampling_rng = saved_generator_state(self.loader.batch_sampler.generator)  # type: ignore[union-attr]
@@ -382,6 +402,8 @@ class ContrastivePretrainer:
         check_fits(self.encoder, state["encoder"], path, "encoder")
         self.encoder.load_state_dict(state["encoder"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.accountant is not None:
+            self._released = snapshot_state(self.encoder.state_dict())
         if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
         self.steps, self.epoch, self.history, self._wall = state["steps"], state["epoch"], state["history"], state["wall"]
