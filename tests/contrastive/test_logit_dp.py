@@ -1011,6 +1011,21 @@ def test_an_encoder_changed_between_private_steps_is_refused_and_put_back(method
     t.save_checkpoint(tmp_path / "ckpt.pt")
 
 
+def test_a_pretraining_step_past_its_planned_steps_is_refused_before_reading_the_batch() -> None:
+    """With a given noise multiplier the planned steps are the budget.  Before, the refusal came after the batch's
+    clipped gradient was computed and left it, un-noised, in the encoder's ``.grad``, and said "the privacy budget
+    (epsilon None, ...)"; now it comes first and names the planned steps."""
+    from clipless.privacy.calibration import BudgetExhaustedError
+    t = _trainer("naive_dp", epochs=1)
+    t.fit()
+    for p in t.encoder.parameters():
+        p.grad = None
+    xa, xb = t.pairs.gather(list(range(64)))
+    with pytest.raises(BudgetExhaustedError, match=r"planned \d+ steps at the given noise multiplier"):
+        t._step(xa, xb)
+    assert all(p.grad is None for p in t.encoder.parameters())
+
+
 def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",

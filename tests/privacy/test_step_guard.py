@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import clipless as cl
+from clipless.privacy.calibration import BudgetExhaustedError
 from clipless.privacy.certified import BoundError
 from helpers import capture_released, per_example_grads
 
@@ -1038,6 +1039,34 @@ def test_a_refused_step_leaves_the_released_weights_whichever_check_refuses_it()
     bx, by = next(batches)
     loss.per_example(model(bx), by).sum().backward()
     _refused(opt, engine, "2 batches were drawn", released)
+
+
+def test_a_step_past_the_budget_puts_the_released_weights_back():
+    """The budget's refusal ran before the step's other checks and outside the restore: a hand update made after
+    the last allowed step stayed in the model (whose next save released it).  It is put back like any refusal."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(96, *SHAPE, generator=gen)
+    data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (96,), generator=gen))
+    model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    loss, engine = cl.TauCrossEntropy(2.0), cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=loss,
+        target_epsilon=50.0, target_delta=1e-5, epochs=1, input_shape=SHAPE, batch_size=16.0, input_bound=1.0)
+    for bx, by in loader:
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+    steps, released = engine.accountant.steps, [p.detach().clone() for p in model.parameters()]
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1 * p.grad)
+    with pytest.raises(BudgetExhaustedError, match=r"allows \d+ steps and all were taken"):
+        opt.step()
+    assert engine.accountant.steps == steps
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), released))
 
 
 def test_a_cast_of_the_model_between_steps_is_no_change():

@@ -11,6 +11,7 @@ import yaml
 
 import clipless as cl
 from clipless.cli import main
+from clipless.privacy.certified import BoundError
 from helpers import write_fake_mnist
 from clipless.train.checkpoint import fingerprint_key_path, load_checkpoint, save_checkpoint
 
@@ -79,6 +80,23 @@ def test_a_trainer_that_released_steps_refuses_to_load_a_checkpoint(tmp_path):
         trainer.load_checkpoint(tmp_path / "c.pt")
     assert all(torch.equal(a, p) for a, p in zip(weights, trainer.module.parameters()))
     assert trainer.accountant.steps == trainer.steps
+
+
+def test_a_checkpoint_of_a_model_changed_after_its_last_step_is_refused(tmp_path):
+    """Before, ``save_checkpoint`` saved whatever the model held: a hand update after ``fit()`` (a non-private
+    fine-tuning step on the training data, say) went into the checkpoint, and from there into ``clipless export``,
+    without noise.  Now it is refused, the released weights are put back and nothing is written."""
+    trainer = digits_trainer(epochs=1)
+    trainer.fit()
+    released = [p.detach().clone() for p in trainer.module.parameters()]
+    with torch.no_grad():
+        next(trainer.module.parameters()).mul_(0.5)
+    with pytest.raises(BoundError, match="weights of the private model changed outside the private step"):
+        trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    assert not (tmp_path / "ckpt.pt").exists()
+    assert all(torch.equal(a, p) for a, p in zip(released, trainer.module.parameters()))
+    trainer.save_checkpoint(tmp_path / "ckpt.pt")  # the released model saves
+    assert (tmp_path / "ckpt.pt").exists()
 
 
 def test_checkpoint_resume_continues_exactly(tmp_path):

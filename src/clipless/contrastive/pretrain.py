@@ -253,6 +253,7 @@ class ContrastivePretrainer:
         before = self._released
         if before is not None:
             self._check_released()
+            self.plan.check_budget(self.accountant.steps)  # type: ignore[union-attr]  # before the batch is read
         try:
             if self.method == "logit_dp":
                 stats = logit_dp_gradient(self.encoder, xa, xb, self.loss, self.tau, self.clip_norm, self.gram_method,
@@ -271,7 +272,6 @@ class ContrastivePretrainer:
             raise
         params = [p for p in self.encoder.parameters() if p.requires_grad]
         if self.accountant is not None:
-            self.plan.check_budget(self.accountant.steps)  # type: ignore[union-attr]
             add_gaussian_noise_(params, self.sigma * self.sensitivity, self.batch_size,  # type: ignore[operator]
                                 self.noise_generator)
             self.plan.account_step(self.accountant)  # type: ignore[union-attr]

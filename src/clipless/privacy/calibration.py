@@ -70,6 +70,10 @@ class NoisePlan:
     def check_budget(self, steps_taken: int) -> None:
         """Refuse a step past the budget (every private step of the library calls this before releasing noise)."""
         if self.max_steps is not None and steps_taken >= self.max_steps:
+            if self.target_epsilon is None:  # a given noise multiplier: the steps planned are the budget
+                raise BudgetExhaustedError(
+                    f"this run planned {self.max_steps} steps at the given noise multiplier (its epochs) and all were "
+                    "taken; no further step is released: plan more epochs for more steps")
             raise BudgetExhaustedError(
                 f"the privacy budget (epsilon {self.target_epsilon}, delta {self.delta}) allows {self.max_steps} "
                 "steps and all were taken; no further step is released")

@@ -229,16 +229,17 @@ class DPOptimizer:
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_model_state(self.bound_engine.model))
 
-    def _check_released_state(self) -> None:
-        """The model as the last private step released it, or refused and put back.  A weight changed outside
-        the step (``p -= lr * p.grad`` by hand, an assignment to ``.data``, ``load_state_dict`` after the
-        optimizer's) holds a batch's gradient without noise; a buffer or frozen parameter that a forward updates
-        (a running statistic) holds the batch itself; the model's ``state_dict`` would release either.  The refused
-        step puts the released state back (:meth:`step`), so nothing of the batch stays in the model."""
+    def check_released_state(self) -> None:
+        """Refuse a model that is not as the last private step released it (or refused and put back), and put
+        that state back.  A weight changed outside the step (``p -= lr * p.grad`` by hand, an assignment to
+        ``.data``, ``load_state_dict`` after the optimizer's) holds a batch's gradient without noise; a buffer or
+        frozen parameter that a forward updates (a running statistic) holds the batch itself; the model's
+        ``state_dict`` would release either.  Every step checks this; call it before saving the model."""
         current = _model_state(self.bound_engine.model)
         changed = changed_state(current, self._released_state)
         if not changed:
             return
+        restore_state_(current, self._released_state)
         weights = [name for name in changed if name in current and id(current[name]) in self._bounded]
         if weights:
             raise BoundError(f"weights of the private model changed outside the private step since its last release "
@@ -269,7 +270,6 @@ class DPOptimizer:
         self.guard.clear_gradient_state()
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        self.plan.check_budget(self.accountant.steps)
         loss = None
 
         def checked() -> Tuple[List[torch.Tensor], BoundReport]:
@@ -284,6 +284,7 @@ class DPOptimizer:
                 return params, self._checked_report(params)
 
         try:
+            self.plan.check_budget(self.accountant.steps)
             if self.world_size == 1:
                 params, report = checked()
             else:  # a rank that refuses alone would leave its peers waiting in the all-reduce of the noisy sum
@@ -317,7 +318,7 @@ class DPOptimizer:
                              "after the backward) has a gradient: the optimizer would apply it without noise; "
                              "freeze parameters before the forward, or set their .grad to None")
         self.guard.check_sums(report)
-        self._check_released_state()  # after the checks that name a replaced or frozen parameter more precisely
+        self.check_released_state()  # after the checks that name a replaced or frozen parameter more precisely
         return report
 
     def _release(self, params: List[torch.Tensor], report: BoundReport) -> None:

@@ -323,7 +323,9 @@ class PrivateTrainer:
 
     def save_checkpoint(self, path: Union[str, Path]) -> None:
         """Model, optimizer, accountant, generators and progress: everything a resume needs (atomic, checksummed:
-        :mod:`clipless.train.checkpoint`)."""
+        :mod:`clipless.train.checkpoint`).  A model changed since the last private step is refused (and put back):
+        the change would be saved without noise."""
+        self.optimizer.check_released_state()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fingerprint_key = fingerprint_key_for(path)
