@@ -42,10 +42,12 @@ def test_nan_input_at_training_time_refused(data):
         model(x)
 
 
-def test_delta_not_below_one_over_n_refused(data):
+@pytest.mark.parametrize("delta", [1 / 64, "1e-3", True])
+def test_delta_not_below_one_over_n_refused(data, delta):
+    """The string "1e-3" died with "'<' not supported between instances of 'int' and 'str'"."""
     model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
     with pytest.raises(ValueError, match="1/N"):
-        trainer_for(model, data, delta=1 / 64)
+        trainer_for(model, data, delta=delta)
 
 
 @pytest.mark.parametrize("bad", [nn.Linear(16, 3), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Softplus()])
@@ -124,9 +126,10 @@ def test_missing_input_bound_refused(data):
         trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,)), data)
 
 
-@pytest.mark.parametrize("bound", [0.0, -1.0, float("nan"), float("inf"), True])
+@pytest.mark.parametrize("bound", [0.0, -1.0, float("nan"), float("inf"), True, "1"])
 def test_a_bad_input_bound_is_refused_as_given(data, bound):
-    """The tolerance was applied first: input_bound=-1 was refused as "got -1.000001"."""
+    """The tolerance was applied first: input_bound=-1 was refused as "got -1.000001"; the string "1" was read as
+    1.0 and accepted."""
     with pytest.raises(BoundError, match=rf"input_bound must be a positive finite number .*got {bound!r}$"):
         trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,)), data, input_bound=bound)
 
@@ -245,3 +248,28 @@ def test_an_iterable_dataset_is_refused_by_name(data) -> None:
                                         input_shape=SHAPE, batch_size=8.0)
     with pytest.raises(TypeError, match="map-style Dataset"):
         trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), Stream())
+
+
+@pytest.mark.parametrize("shape", [16, None, (0, 4, 4), (1, 4.0, 4), (True, 4, 4), ()])
+def test_a_bad_input_shape_is_refused_by_name(data, shape) -> None:
+    """A bare number or None died with "'int' object is not iterable"; a float dimension was truncated by
+    ``int()`` in the bounds and kept as given by the input guard (every batch then refused as another shape)."""
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match="input_shape must be the per-example shape"):
+        cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=data, loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
+                                        input_shape=shape, batch_size=8.0)
+    with pytest.raises(ValueError, match="input_shape must be the per-example shape"):
+        trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), data, input_shape=shape)
+
+
+@pytest.mark.parametrize("given", ["tensor", "tuple"])
+def test_tensors_given_as_the_dataset_are_refused_by_name(data, given) -> None:
+    """``data=x`` died inside the loader with "gather(): argument 'dim' must be int"; ``data=(x, y)`` was read as a
+    dataset of two records (and refused only as a batch size above N=2)."""
+    x, y = data.features, data.labels
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(TypeError, match="wrap the tensors, e.g. clipless.ArrayDataset"):
+        cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=x if given == "tensor" else (x, y), loss=cl.TauCrossEntropy(),
+                                        noise_multiplier=1.0, input_shape=SHAPE, batch_size=1.0)

@@ -59,7 +59,7 @@ def gradient_noise_multiplier(step_sigma: float, other_sigmas: Sequence[float]) 
 
 def check_delta(delta: float, dataset_size: int) -> None:
     """Refuse ``delta`` outside ``(0, 1/N)``: larger deltas permit releasing a record outright."""
-    if not (0 < delta < 1.0 / dataset_size):
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (0 < delta < 1.0 / dataset_size):
         raise ValueError(
             f"delta={delta} must satisfy 0 < delta < 1/N = {1.0 / dataset_size:.3g} for a dataset of "
             f"N={dataset_size} records"

@@ -20,6 +20,7 @@ add/remove sensitivity of that layer's summed gradient.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,7 +32,7 @@ from .certified import BoundError
 from .input_guard import global_hooks_registered, module_hooks, replaced_forward
 from .modules import BoundedModule, LayerBound, Residual
 
-__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound"]
+__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound", "check_input_shape"]
 
 # Stateless torch layers whose constants are exact: l = 1 and ||f(x)|| <= ||x||.
 _PARAMETER_FREE_1LIP: Tuple[type, ...] = (nn.Flatten, nn.Unflatten, nn.Identity, nn.ReLU)
@@ -143,6 +144,19 @@ def _check_forward_matches_bounds(cls: type, name: str) -> None:
                          f"in {bound_owner.__name__}: a layer that changes forward must declare its own layer_bound()")
 
 
+def check_input_shape(input_shape: Any) -> Tuple[int, ...]:
+    """The per-example input shape as a tuple of positive whole numbers (``(64,)``, ``(1, 28, 28)``), or a
+    ``ValueError``: the bounds and the input guard read it, and a float or a bare number would be misread."""
+    try:
+        dims = tuple(input_shape)
+    except TypeError:
+        dims = None
+    if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in dims):
+        raise ValueError(f"input_shape must be the per-example shape, a tuple of positive whole numbers such as "
+                         f"(64,) or (1, 28, 28) (the batch dimension left out), got {input_shape!r}")
+    return tuple(int(d) for d in dims)
+
+
 class BoundEngine:
     """Backpropagation for bounds over a model (spec §2).
 
@@ -170,7 +184,7 @@ class BoundEngine:
         self._fixed_lipschitz = None if self.loss is not None else float(loss)
         self.loss_lipschitz  # validates
         self.model = model
-        self.input_shape = tuple(int(s) for s in input_shape)
+        self.input_shape = check_input_shape(input_shape)
         self.input_bound = float(input_bound)
         self._names = {id(m): n for n, m in model.named_modules()}
         self._leaves: List[nn.Module] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .accounting import PrivacyAccountant, check_delta
-from .bounds import BoundEngine
+from .bounds import BoundEngine, check_input_shape
 from .calibration import plan_noise, planned_steps
 from .certified import BoundError
 from .distributed import DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks, world
@@ -37,7 +38,8 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
     ``input_bound`` that every input is then checked against — never from the
     data itself.  The check admits norms up to ``input_bound (1 + INPUT_BOUND_TOLERANCE)``, and so does ``X_0``.
     """
-    if input_bound is not None and (isinstance(input_bound, bool) or not 0 < float(input_bound) < math.inf):
+    if input_bound is not None and (isinstance(input_bound, bool) or not isinstance(input_bound, numbers.Real)
+                                    or not 0 < float(input_bound) < math.inf):
         # named as given, before the tolerance (which made -1 read as -1.000001)
         raise BoundError(f"input_bound must be a positive finite number (every input's L2 norm is checked against "
                          f"it), got {input_bound!r}")
@@ -125,6 +127,7 @@ class PrivacyEngine:
         """
         if not isinstance(loss, LipschitzLoss):
             raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
+        input_shape = check_input_shape(input_shape)
         dataset, b = _dataset_of(data, batch_size)
         n = len(dataset)  # type: ignore[arg-type]
         rank, world_size = world()

@@ -25,6 +25,11 @@ SAMPLING_BITS = 53
 def dataset_size(data: Any) -> int:
     """``len(data)`` of a map-style dataset; a stream (``IterableDataset``) is refused: Poisson sampling picks each
     record by index, independently."""
+    if isinstance(data, torch.Tensor) or (isinstance(data, tuple) and data
+                                          and all(isinstance(t, torch.Tensor) for t in data)):
+        raise TypeError("data must be a map-style Dataset of (input, label) records, got a "
+                        f"{'tensor' if isinstance(data, torch.Tensor) else 'tuple of tensors'}: wrap the tensors, "
+                        "e.g. clipless.ArrayDataset(x, y) or torch.utils.data.TensorDataset(x, y)")
     if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
         raise TypeError(f"data must be a map-style Dataset with a length (got {type(data).__name__}): Poisson "
                         "sampling picks each record by index, independently, with rate batch_size / len(data)")

@@ -22,6 +22,7 @@ from ..data.augment import ImageAugmentation
 from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
+from ..privacy.bounds import check_input_shape
 from ..privacy.modules import LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
@@ -133,7 +134,7 @@ class PrivateTrainer:
             data=train_data,
             loss=loss,
             noise_multiplier=noise_multiplier,
-            input_shape=tuple(input_shape),
+            input_shape=check_input_shape(input_shape),
             batch_size=batch_size,
             input_bound=input_bound,
             strategy=strategy,
