@@ -1026,6 +1026,14 @@ def test_a_pretraining_step_past_its_planned_steps_is_refused_before_reading_the
     assert all(p.grad is None for p in t.encoder.parameters())
 
 
+def test_held_out_pairs_of_another_kind_are_refused_by_name() -> None:
+    """A labelled dataset given as ``eval_pairs`` (its records are ``(image, label)``) died in the first held-out
+    loss with "IndexError: Dimension out of range"; it is now named at construction."""
+    data, _ = _digits_pairs()
+    with pytest.raises(ValueError, match=r"eval_pairs must hold positive pairs \(xa, xb\)"):
+        _trainer("logit_dp", eval_pairs=data.test)
+
+
 def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",
@@ -1628,9 +1636,10 @@ def test_non_finite_views_and_overflowing_encoders_refused_clearly() -> None:
         logit_dp_gradient(overflow, good, good, "contrastive", 1.0, 1.0)
 
 
-@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0.0, -1.0])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0.0, -1.0, "1"])
 def test_clip_norms_and_temperatures_must_be_positive_and_finite(bad):
-    """An infinite B was accepted: the sensitivity was infinite and the first noisy step overflowed."""
+    """An infinite B was accepted: the sensitivity was infinite and the first noisy step overflowed.  A string
+    died with "'>' not supported between instances of 'str' and 'int'"."""
     from clipless.contrastive.logit_dp import logit_dp_sensitivity, naive_dp_sensitivity
 
     with pytest.raises(ValueError, match="positive and finite"):

@@ -117,6 +117,22 @@ def _check_no_running_statistics(encoder: nn.Module) -> None:
                              "normalization (LayerNorm, GroupNorm)")
 
 
+def _check_pair_dataset(pairs: Optional[Dataset], what: str) -> None:
+    """Each record of ``pairs`` is a positive pair ``(xa, xb)`` of two views of one shape (a labelled dataset's
+    ``(x, y)`` is not): read from its first record, so a held-out set of another kind is named before training."""
+    if pairs is None:
+        return
+    if len(pairs) == 0:  # type: ignore[arg-type]
+        raise ValueError(f"{what} is empty")
+    first = pairs[0]
+    if (not isinstance(first, (tuple, list)) or len(first) != 2
+            or not all(isinstance(v, torch.Tensor) for v in first) or first[0].shape != first[1].shape):
+        kinds = ([tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in first]
+                 if isinstance(first, (tuple, list)) else type(first).__name__)
+        raise ValueError(f"{what} must hold positive pairs (xa, xb), two views of one shape (e.g. AugmentedPairs of "
+                         f"held-out images), got records of {kinds}")
+
+
 def _check_state_unchanged(encoder: nn.Module, before: Dict[str, torch.Tensor]) -> None:
     """The gradient pass of a private step may change nothing of the encoder: a parameter or buffer changed by a
     forward (a running average, a weight normalised in place) holds a function of the batch without noise."""
@@ -186,6 +202,7 @@ class ContrastivePretrainer:
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
+        _check_pair_dataset(eval_pairs, "eval_pairs")
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
