@@ -887,6 +887,26 @@ def test_watched_parameters_copy_pickle_and_detach_as_plain_parameters():
     assert all(type(p) is nn.Parameter for p in model.parameters())
 
 
+def test_torch_save_of_the_whole_private_model_saves_an_ordinary_model(tmp_path):
+    """``torch.save(model)`` (the whole module pickled, a common way to keep a model) died with "Can't pickle local
+    object 'DPOptimizer.__init__.<locals>.<lambda>'": the model's hooks pickled the step guard, whose state holds
+    the batches' digests and un-noised gradients.  The hooks now pickle as inert stand-ins, as in a deep copy:
+    the file holds the weights (and their certified bounds) only, and loads as an ordinary model."""
+    model, opt, loss, engine, x, y = _setup()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(type(p) is nn.Parameter for p in loaded.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
+    hooks = [h for m in loaded.modules() for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values()]
+    assert hooks and all(type(h).__name__ == "_Detached" for h in hooks)
+    nn.functional.cross_entropy(loaded(x), y).backward()  # no guard on the loaded copy
+    loss.per_example(model(x), y).sum().backward()  # the original stays guarded and private
+    opt.step()
+    assert engine.accountant.steps == 2
+
+
 @pytest.mark.parametrize("edit", ["replace", "scale", "data_scale_then_backward"])
 def test_gradient_set_or_edited_by_hand_refused(edit):
     model, opt, loss, engine, x, y = _setup()

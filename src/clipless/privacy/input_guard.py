@@ -214,13 +214,16 @@ class _Detached:
 
 
 class _Guard:
-    """A hook of ours: the bound engine accepts it (it only refuses, never changes values); a deep copy of the
-    model gets an inert stand-in."""
+    """A hook of ours: the bound engine accepts it (it only refuses, never changes values); a deep copy or a
+    pickle of the model (``torch.save(model)``) gets an inert stand-in, never the guard's state of the batches."""
 
     is_clipless_guard = True
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> _Detached:
         return _Detached()
+
+    def __reduce__(self) -> Any:
+        return (_Detached, ())
 
 
 def check_precision(module: nn.Module, x: torch.Tensor) -> None:
