@@ -976,10 +976,10 @@ def test_private_pretraining_refuses_an_encoder_that_keeps_batch_statistics(meth
 @pytest.mark.parametrize("how", ["by_hand", "optimizer", "load_state_dict"])
 @pytest.mark.parametrize("method", ["naive_dp", "logit_dp"])
 def test_an_encoder_changed_between_private_steps_is_refused_and_put_back(method, how, tmp_path) -> None:
-    """Before, an update made outside the pre-trainer between two private steps (a non-private step on the training pairs,
-    by hand or with the pre-trainer's own optimizer, or a load_state_dict) went into the encoder un-noised: the
-    next fit and the checkpoint released it.  Now the next step, and a checkpoint, refuse it and put the released
-    encoder back."""
+    """Before, an update made outside the pre-trainer between two private steps (a non-private step on the
+    training pairs, by hand or with the pre-trainer's own optimizer, or a load_state_dict) went into the encoder
+    un-noised: the next step and the checkpoint released it.  Now the next step, and a checkpoint, refuse it and
+    put the released encoder back."""
     t = _trainer(method, epochs=1)
     xa, xb = t.pairs.gather(list(range(64)))
     t._step(xa, xb)  # a released private step
