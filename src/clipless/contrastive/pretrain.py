@@ -421,7 +421,6 @@ class ContrastivePretrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.accountant is not None:
             self._released = snapshot_state(self.encoder.state_dict())
-        if self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
         self.steps, self.epoch, self.history, self._wall = state["steps"], state["epoch"], state["history"], state["wall"]
         resume_generator(self.noise_generator, state["noise_rng"])
