@@ -1089,6 +1089,32 @@ def test_a_step_past_the_budget_puts_the_released_weights_back():
     assert all(torch.equal(p, r) for p, r in zip(model.parameters(), released))
 
 
+def test_making_a_model_private_again_retires_the_earlier_optimizer():
+    """Before, the earlier optimizer's guard stayed on the model (its hooks watched every forward), a step of it
+    was refused as "the backward ... did not come from a clipless loss", and that refusal put its own older released
+    state back into the model, so the new optimizer's next step was refused in turn.  Now the earlier guard
+    leaves the model and its step is refused by name, leaving the model alone."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    batches = iter(loader)
+    bx, by = next(batches)
+    loss.per_example(model(bx), by).sum().backward()
+    opt.step()
+    model, again, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=loader.dataset, loss=loss,
+        noise_multiplier=1.0, input_shape=SHAPE, batch_size=16.0, input_bound=1.0)
+    hooks = [h for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values()]
+    assert not any(getattr(h, "guard", None) is opt.guard for h in hooks)
+    batches = iter(loader)
+    bx, by = next(batches)
+    loss.per_example(model(bx), by).sum().backward()
+    released = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(BoundError, match="this private optimizer was replaced"):
+        opt.step()
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), released))
+    again.step()
+    assert engine.accountant.steps == 2
+
+
 def test_a_cast_of_the_model_between_steps_is_no_change():
     """``model.double()`` after ``make_private`` changes no value: the released state is compared in the new dtype."""
     model, opt, loss, engine, x, y = _setup()

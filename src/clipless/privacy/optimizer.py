@@ -13,6 +13,7 @@ be the gradient of the **sum** of per-example losses of one Poisson batch
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -29,6 +30,10 @@ from .randomness import resume_generator, saved_generator_state, secret_generato
 from .sampling import PoissonDataLoader
 
 __all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_"]
+
+
+# The private optimizer that steps each model now: a later make_private of the model retires the earlier one.
+_LATEST: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def _model_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -126,12 +131,25 @@ class DPOptimizer:
         self._batches_released = 0
         self._external_batches = False
         self._steps_released = 0  # by this optimizer, in this process
+        self._retire_earlier(bound_engine.model)
         self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
                                [p for layer in report.layers for p in layer.params],
                                bound_engine.loss, lambda: bound_engine.loss_lipschitz,
                                rows_per_example=augmentation_multiplicity)
         names = {id(p): name for name, p in bound_engine.model.named_parameters()}
         self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
+        self._retired = False
+        _LATEST[bound_engine.model] = weakref.ref(self)
+
+    def _retire_earlier(self, model: torch.nn.Module) -> None:
+        """A model made private again is stepped by the new optimizer only: the earlier one's guard leaves the
+        model (its hooks would go on watching every forward), and a step of it is refused by name (its refusal
+        would otherwise put its own, older, released state back into the model)."""
+        earlier = _LATEST.get(model)
+        earlier = earlier() if earlier is not None else None
+        if earlier is not None and earlier is not self and not earlier._retired:
+            earlier.guard.remove()
+            earlier._retired = True
 
     # Read-only views of the plan (one meaning each, see clipless.privacy.calibration).
     @property
@@ -270,6 +288,10 @@ class DPOptimizer:
         self.guard.clear_gradient_state()
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        if self._retired:
+            raise BoundError("this private optimizer was replaced: its model was made private again, and only the "
+                             "optimizer the latest make_private returned may step it (its accountant goes on "
+                             "composing the steps)")
         loss = None
 
         def checked() -> Tuple[List[torch.Tensor], BoundReport]:
