@@ -19,7 +19,6 @@ blocks, whose exact cross term is the costly part of a convolutional encoder's s
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.utils import _pair
 
-from ..nn.functional import whole_number
+from ..nn.functional import positive_finite, whole_number
 from ..privacy.certified import ieee_matmul
 from ..privacy.input_guard import (check_precision, global_hooks_registered, module_hooks, replaced_forward,
                                    saved_tensor_hooks_active)
@@ -108,8 +107,7 @@ CONTRASTIVE_LOSSES = tuple(LOSS_FUNCTIONS)
 def _check_loss(loss: str, tau: float) -> None:
     if loss not in CONTRASTIVE_LOSSES:
         raise ValueError(f"loss must be one of {CONTRASTIVE_LOSSES}, got {loss!r}")
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not (tau > 0 and math.isfinite(tau)):
-        raise ValueError(f"temperature tau must be positive and finite, got {tau!r}")
+    positive_finite(tau, "temperature tau")
     if loss == "spreadout" and tau != 1.0:
         raise ValueError("the spreadout sensitivity 6B (spec §4) holds for tau = 1 only")
 
@@ -131,9 +129,7 @@ def logit_gradient(z: torch.Tensor, loss: str, tau: Optional[float] = None) -> t
 
 
 def _check_clip_norm(clip_norm: float, name: str) -> None:
-    if (isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real)
-            or not (clip_norm > 0 and math.isfinite(clip_norm))):
-        raise ValueError(f"clip norm {name} must be positive and finite, got {clip_norm!r}")
+    positive_finite(clip_norm, f"clip norm {name}")
 
 
 def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive",

@@ -25,7 +25,7 @@ from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_acco
                                   check_nothing_released)
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
-from ..privacy.optimizer import changed_state, restore_state_, snapshot_state
+from ..privacy.optimizer import changed_state, put_back_changes_, restore_state_, snapshot_state
 from ..privacy.distributed import world
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
@@ -257,9 +257,8 @@ class ContrastivePretrainer:
         """The encoder as given or as the last private step released it.  A change since (a step of the optimizer
         outside the pre-trainer, ``p -= lr * p.grad`` by hand, a ``load_state_dict``) holds what it was computed
         from without noise, and the encoder would release it: refused, and the released state put back."""
-        changed = changed_state(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
+        changed = put_back_changes_(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
         if changed:
-            restore_state_(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
             raise ValueError(f"the encoder changed outside the private pre-training since its last release "
                              f"({', '.join(changed[:4])}): an update without noise would be released with it; it "
                              "was put back. Set the encoder's weights before creating the pre-trainer (a resume: "

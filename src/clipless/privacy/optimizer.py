@@ -29,7 +29,7 @@ from .noise import add_noise_
 from .randomness import resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
-__all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_"]
+__all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_", "put_back_changes_"]
 
 
 # The private optimizer that steps each model now: a later make_private of the model retires the earlier one.
@@ -63,6 +63,14 @@ def restore_state_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tens
     """Put the snapshot's values back into the tensors of the same names."""
     for name in set(current) & set(saved):
         current[name].copy_(saved[name].to(current[name].device))
+
+
+def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> List[str]:
+    """The names changed since the snapshot (:func:`changed_state`), whose snapshot values are then put back."""
+    changed = changed_state(current, saved)
+    if changed:
+        restore_state_(current, saved)
+    return changed
 
 
 class DPOptimizer:
@@ -254,10 +262,9 @@ class DPOptimizer:
         frozen parameter that a forward updates (a running statistic) holds the batch itself; the model's
         ``state_dict`` would release either.  Every step checks this; call it before saving the model."""
         current = _model_state(self.bound_engine.model)
-        changed = changed_state(current, self._released_state)
+        changed = put_back_changes_(current, self._released_state)
         if not changed:
             return
-        restore_state_(current, self._released_state)
         weights = [name for name in changed if name in current and id(current[name]) in self._bounded]
         if weights:
             raise BoundError(f"weights of the private model changed outside the private step since its last release "
