@@ -1034,6 +1034,12 @@ def test_held_out_pairs_of_another_kind_are_refused_by_name() -> None:
         _trainer("logit_dp", eval_pairs=data.test)
 
 
+def test_a_directory_as_the_pretraining_checkpoint_is_refused_before_training(tmp_path) -> None:
+    """It trained a whole epoch, then died on the first write ("Is a directory")."""
+    with pytest.raises(ValueError, match="is a directory: give a file in it"):
+        _trainer("logit_dp", checkpoint_path=tmp_path)
+
+
 def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",

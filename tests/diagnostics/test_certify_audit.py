@@ -169,3 +169,12 @@ def test_tightness_monitor_stops_training_on_an_understated_bound():
         trainer.fit()
     assert trainer.steps == 0 and trainer.accountant.steps == 0
     assert not re.search(r"\d\.\d", str(info.value))  # the measured ratio (a training statistic) is not printed
+
+
+@pytest.mark.parametrize("setting", [{"tol": float("nan")}, {"tol": -1.0}, {"every": 1.5}, {"every": True},
+                                     {"sample": 0}])
+def test_a_tightness_monitor_with_a_bad_setting_is_refused(setting) -> None:
+    """``tol=NaN`` passed every ratio (no comparison with NaN is true), so the monitor never stopped a run: the
+    check was off without a word.  A fractional or boolean ``every`` was truncated."""
+    with pytest.raises(ValueError, match="must be"):
+        cl.diagnostics.TightnessMonitor(**setting)

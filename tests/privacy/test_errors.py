@@ -273,3 +273,18 @@ def test_tensors_given_as_the_dataset_are_refused_by_name(data, given) -> None:
         cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                         data=x if given == "tensor" else (x, y), loss=cl.TauCrossEntropy(),
                                         noise_multiplier=1.0, input_shape=SHAPE, batch_size=1.0)
+
+
+@pytest.mark.parametrize("setting", ["checkpoint_dir", "checkpoint_under_file", "average_decay", "multiplicity"])
+def test_trainer_settings_of_the_wrong_kind_are_refused_before_training(data, setting, tmp_path) -> None:
+    """A directory given as checkpoint_path trained a whole epoch, then died on the first write ("Is a directory");
+    ``average_decay="0.9"`` died with "'<' not supported"; ``augmentation_multiplicity=True`` ran as K = 1."""
+    (tmp_path / "file").write_text("")
+    value = {"checkpoint_dir": ("checkpoint_path", tmp_path),
+             "checkpoint_under_file": ("checkpoint_path", tmp_path / "file" / "c.pt"),
+             "average_decay": ("average_decay", "0.9"), "multiplicity": ("augmentation_multiplicity", True)}[setting]
+    match = {"checkpoint_dir": "is a directory", "checkpoint_under_file": "which is a file",
+             "average_decay": "average_decay must be a number in", "multiplicity": "must be an integer >= 1"}[setting]
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match=match):
+        trainer_for(model, data, **dict([value]))

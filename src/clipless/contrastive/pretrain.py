@@ -29,8 +29,8 @@ from ..privacy.optimizer import changed_state, put_back_changes_, restore_state_
 from ..privacy.distributed import world
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
-from ..train.checkpoint import (check_fits, check_records, fingerprint_key_for, keyed_fingerprint, load_checkpoint,
-                                read_fingerprint_key, save_checkpoint)
+from ..train.checkpoint import (check_fits, check_records, checkpoint_destination, fingerprint_key_for,
+                                keyed_fingerprint, load_checkpoint, read_fingerprint_key, save_checkpoint)
 from .logit_dp import (
     LOSS_FUNCTIONS,
     _check_clip_norm,
@@ -210,7 +210,7 @@ class ContrastivePretrainer:
         _check_cross_term(cross_term)  # before any calibration or sampling
         _check_gram_method(gram_method)
         self.gram_method, self.cross_term, self.progress, self.log = gram_method, cross_term, progress, log
-        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.checkpoint_path = checkpoint_destination(checkpoint_path)
         self.sample_rate = self.batch_size / n
         self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.planned_steps = planned_steps(epochs, self.steps_per_epoch)

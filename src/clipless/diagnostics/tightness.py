@@ -8,11 +8,14 @@ tests and by audits, never by the training step).
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from typing import Dict, List
 
 import torch
 from torch import nn
 
+from ..nn.functional import whole_number
 from ..privacy.bounds import BoundReport
 from ..privacy.certified import BoundError
 from ..privacy.input_guard import paused_guards
@@ -64,9 +67,11 @@ class TightnessMonitor:
     """
 
     def __init__(self, every: int = 50, sample: int = 8, tol: float = 1e-4) -> None:
-        if every < 1 or sample < 1:
-            raise ValueError("every and sample must be >= 1")
-        self.every, self.sample, self.tol = int(every), int(sample), float(tol)
+        self.every, self.sample = whole_number(every, "every"), whole_number(sample, "sample")
+        # a NaN tolerance would pass every ratio (no comparison with NaN is true): the check would be off silently
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not 0 <= tol < math.inf:
+            raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
+        self.tol = float(tol)
         self.worst: Dict[str, float] = {}
 
     def due(self, step: int) -> bool:

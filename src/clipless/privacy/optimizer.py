@@ -94,7 +94,8 @@ class DPOptimizer:
         distributed: bool = False,
         augmentation_multiplicity: int = 1,
     ) -> None:
-        if not (isinstance(augmentation_multiplicity, int) and augmentation_multiplicity >= 1):
+        if (isinstance(augmentation_multiplicity, bool) or not isinstance(augmentation_multiplicity, int)
+                or augmentation_multiplicity < 1):
             raise ValueError(f"augmentation_multiplicity must be an integer >= 1, got {augmentation_multiplicity!r}")
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "

@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "write_atomically", "check_fits",
+           "checkpoint_destination",
            "keyed_fingerprint", "read_fingerprint_key", "fingerprint_key_for", "fingerprint_key_path",
            "check_records"]
 
@@ -48,6 +49,21 @@ def write_atomically(path: Union[str, Path], data: bytes, mode: Optional[int] = 
             raise CheckpointError(f"could not write {path}: {err.strerror or err}; the previous file (if any) is "
                                   "intact") from err
         raise
+
+
+def checkpoint_destination(path: Optional[Union[str, Path]]) -> Optional[Path]:
+    """The file a run will write its checkpoints to (None: no checkpoints), checked before it trains: an existing
+    directory, or a path under an existing file, would fail only at the end of the first epoch, after its work."""
+    if not path:
+        return None
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint_path {path} is a directory: give a file in it, e.g. "
+                              f"{path / 'checkpoint.pt'}")
+    above = next((parent for parent in path.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():
+        raise CheckpointError(f"checkpoint_path {path} lies under {above}, which is a file, not a directory")
+    return path
 
 
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,8 +29,8 @@ from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import dataset_size, expected_batch_size
-from .checkpoint import (check_fits, check_records, fingerprint_key_for, keyed_fingerprint, load_checkpoint,
-                         read_fingerprint_key, save_checkpoint)
+from .checkpoint import (check_fits, check_records, checkpoint_destination, fingerprint_key_for, keyed_fingerprint,
+                         load_checkpoint, read_fingerprint_key, save_checkpoint)
 from .evaluation import evaluate, predictions
 
 __all__ = ["PrivateTrainer", "TrainResult"]
@@ -122,7 +123,7 @@ class PrivateTrainer:
         self.device, self.progress, self.log = device, progress, log
         self.noise_seed = noise_seed
         self.log_train_stats = bool(log_train_stats)
-        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.checkpoint_path = checkpoint_destination(checkpoint_path)
         self.sample_rate = batch_size / n
         self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.privacy_engine = PrivacyEngine(accountant)
@@ -171,8 +172,9 @@ class PrivateTrainer:
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
         # Exponential moving average of the released iterates: post-processing, no privacy cost.
-        if average_decay is not None and not (0.0 < average_decay < 1.0):
-            raise ValueError("average_decay must be in (0, 1)")
+        decay = average_decay
+        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay < 1):
+            raise ValueError(f"average_decay must be a number in (0, 1), got {average_decay!r}")
         self.average_decay = average_decay
         self.tightness_monitor = tightness_monitor
         # A deep copy leaves the guards behind (clipless.privacy.input_guard): the average is never stepped by the optimizer.
