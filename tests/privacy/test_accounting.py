@@ -303,3 +303,21 @@ def test_rdp_order_exclusions_are_not_logged_other_warnings_are(caplog):
     assert "another dp-accounting warning" in messages
     assert eps == pytest.approx(cl.compute_epsilon(1.0, 1 / 6, 6, 1e-3, "rdp"))
     assert not logging.getLogger("absl").filters  # the filter is there only during the computation
+
+
+@pytest.mark.parametrize("call", ["step_sigma", "step_rate", "rate_true", "epsilon_delta", "calibrate", "steps_nan",
+                                  "sigma_inf"])
+def test_the_accountants_entry_points_refuse_values_of_the_wrong_kind(call) -> None:
+    """A string died with "'<' not supported between instances of 'int' and 'str'"; ``sample_rate=True`` was
+    accounted as q = 1; ``calibrate_steps`` with a NaN target answered 0 steps without a word."""
+    acc = cl.PrivacyAccountant("rdp")
+    acc.step(1.0, 0.1)
+    run = {"step_sigma": lambda: cl.PrivacyAccountant("pld").step("1", 0.1),
+           "step_rate": lambda: cl.compute_epsilon(1.0, "0.1", 10, 1e-5),
+           "rate_true": lambda: cl.PrivacyAccountant("rdp").step(1.0, True),
+           "epsilon_delta": lambda: acc.get_epsilon("1e-5"),
+           "calibrate": lambda: cl.calibrate_noise_multiplier("3", 1e-5, 0.01, 100),
+           "steps_nan": lambda: cl.calibrate_steps(float("nan"), 1e-5, 0.01, 1.0),
+           "sigma_inf": lambda: cl.PrivacyAccountant("rdp").step(float("inf"), 0.1)}[call]
+    with pytest.raises(ValueError, match="must be"):
+        run()

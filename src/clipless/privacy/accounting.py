@@ -29,6 +29,7 @@ __all__ = [
     "calibrate_steps",
     "check_delta",
     "check_accounted_steps",
+    "check_positive_finite",
 ]
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -109,12 +110,25 @@ PLD_MIN_DELTA = 1e-14
 
 
 def _check_delta_resolvable(mechanism: str, delta: float) -> None:
-    if not 0 < delta < 1:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
         raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
     if mechanism == "pld" and delta < PLD_MIN_DELTA:
         raise ValueError(f"delta={delta:g} is below {PLD_MIN_DELTA:g}, the smallest delta the PLD accountant resolves "
                          "(it truncates privacy-loss tails of mass about 1e-15, so its epsilon there is infinite); "
                          "use the rdp accountant for so small a delta")
+
+
+def check_positive_finite(value: Any, what: str) -> float:
+    """A noise multiplier or an epsilon as a float: ``True`` would read as 1, NaN fails every comparison (so every
+    check after it), and a string compares with nothing."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _check_rate(sample_rate: Any) -> None:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real) or not 0 < sample_rate <= 1:
+        raise ValueError(f"sample rate must be in (0, 1], got {sample_rate!r}")
 
 
 def _step_count(steps: Any) -> int:
@@ -127,10 +141,8 @@ def _step_count(steps: Any) -> int:
 
 
 def _step_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
-    if not (0 < sample_rate <= 1):
-        raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
-    if not (noise_multiplier > 0):
-        raise ValueError(f"noise multiplier must be positive, got {noise_multiplier}")
+    _check_rate(sample_rate)
+    check_positive_finite(noise_multiplier, "noise multiplier")
     event = dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
     return dp_accounting.SelfComposedDpEvent(event, int(steps))
 
@@ -334,8 +346,7 @@ def calibrate_noise_multiplier(
 
     A bracketing search that only ever returns a feasible point (spec §6: never above target).
     """
-    if target_epsilon <= 0:
-        raise ValueError("target epsilon must be positive")
+    check_positive_finite(target_epsilon, "target epsilon")
 
     def epsilon_at(sigma: float) -> float:
         return compute_epsilon(sigma, sample_rate, steps, delta, accountant)
@@ -365,6 +376,7 @@ def calibrate_steps(
     answer is a count whose epsilon was evaluated."""
     if isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral) or max_steps < 1:
         raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+    check_positive_finite(target_epsilon, "target epsilon")  # NaN or a negative target would answer 0 steps
 
     def feasible(steps: int) -> bool:
         return compute_epsilon(noise_multiplier, sample_rate, steps, delta, accountant) <= target_epsilon

@@ -25,6 +25,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from .accounting import (
     calibrate_noise_multiplier,
+    check_positive_finite,
     calibrate_steps,
     compute_epsilon,
     effective_noise_multiplier,
@@ -96,11 +97,7 @@ def planned_steps(epochs: object, steps_per_epoch: int) -> int:
 
 
 def _positive(value: Optional[float], name: str) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
+    return None if value is None else check_positive_finite(value, name)
 
 
 def _relative_weights(report: Optional[BoundReport], strategy: str, weights: LayerWeights) -> Dict[str, float]:
