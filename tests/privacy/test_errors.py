@@ -288,3 +288,15 @@ def test_trainer_settings_of_the_wrong_kind_are_refused_before_training(data, se
     model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
     with pytest.raises(ValueError, match=match):
         trainer_for(model, data, **dict([value]))
+
+
+@pytest.mark.parametrize("weights", [{"2": "2"}, {"2": True}, 3, ["2"], "bogus"])
+def test_per_layer_weights_of_the_wrong_kind_are_refused(data, weights) -> None:
+    """``float()`` read the string "2" and ``True`` as relative weights; a bare number died with "'int' object is
+    not iterable"."""
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    names = [n for n, m in model.named_modules() if isinstance(m, cl.LipschitzLinear)]
+    if isinstance(weights, dict):
+        weights = {names[0]: next(iter(weights.values()))}
+    with pytest.raises(ValueError, match="layer_noise_multipliers must be"):
+        trainer_for(model, data, strategy="per_layer", layer_noise_multipliers=weights)

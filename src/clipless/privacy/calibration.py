@@ -108,18 +108,19 @@ def _relative_weights(report: Optional[BoundReport], strategy: str, weights: Lay
         return {name: 1.0 for name in names}
     if weights is None:
         return {name: 1.0 for name in names}
-    if isinstance(weights, str):
-        if weights != "energy":
-            raise ValueError(f"layer_noise_multipliers must be a mapping of relative weights or 'energy', got {weights!r}")
+    if isinstance(weights, str) and weights == "energy":
         return noise_energy_allocation(report)
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"layer_noise_multipliers must be a mapping of relative weights or 'energy', got {weights!r}")
     unknown = set(weights) - set(names)
     if unknown:
         raise ValueError(f"layer_noise_multipliers name unknown layers {sorted(unknown)}; layers are {names}")
-    out = {name: float(weights.get(name, 1.0)) for name in names}
-    bad = {k: v for k, v in out.items() if not (0 < v < math.inf)}
+    # a weight is a number: float() would read "2" and True as weights
+    bad = {k: v for k, v in weights.items()
+           if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf}
     if bad:
         raise ValueError(f"layer_noise_multipliers must be positive finite relative weights, got {bad}")
-    return out
+    return {name: float(weights.get(name, 1.0)) for name in names}
 
 
 def plan_noise(
