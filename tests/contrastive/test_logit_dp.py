@@ -1040,6 +1040,32 @@ def test_a_directory_as_the_pretraining_checkpoint_is_refused_before_training(tm
         _trainer("logit_dp", checkpoint_path=tmp_path)
 
 
+@pytest.mark.parametrize("given", ["with_a_head", "of_another_model"])
+def test_an_optimizer_of_parameters_outside_the_encoder_is_refused(given) -> None:
+    """Before, a head in the pre-trainer's optimizer, holding the gradient of a non-private backward, was stepped
+    with that gradient (no clipping, no noise) at every private step: it moved by 1.1 in a 1-epoch run at lr 0.1.
+    An optimizer of another model's parameters spent the budget and left the encoder as it was."""
+    data, pairs = _digits_pairs()
+    enc, head = nn.Sequential(nn.Flatten(), nn.Linear(64, 16)), nn.Linear(16, 10)
+    nn.functional.cross_entropy(head(enc(data.train.features[:32])), data.train.labels[:32]).backward()
+    params = list(enc.parameters()) + list(head.parameters()) if given == "with_a_head" else list(head.parameters())
+    with pytest.raises(ValueError, match="outside the encoder"):
+        ContrastivePretrainer(enc, torch.optim.Adam(params, lr=0.1), pairs, method="logit_dp", batch_size=128,
+                              epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False, log=None)
+    t = ContrastivePretrainer(enc, torch.optim.Adam(enc.parameters(), lr=0.1), pairs, method="logit_dp",
+                              batch_size=128, epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False, log=None)
+    t.optimizer.add_param_group({"params": list(head.parameters())})  # after construction: the step refuses it
+    with pytest.raises(ValueError, match="outside the encoder"):
+        t._step(*pairs.gather(list(range(16))))
+    assert t.accountant.steps == 0
+    frozen = [p.requires_grad_(False) for p in head.parameters()]
+    for p in frozen:
+        p.grad = None
+    with pytest.raises(ValueError, match="none of the encoder's trainable parameters"):
+        ContrastivePretrainer(enc, torch.optim.Adam(frozen, lr=0.1), pairs, method="logit_dp", batch_size=128,
+                              epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False, log=None)
+
+
 def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",

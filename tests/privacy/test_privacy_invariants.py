@@ -351,8 +351,8 @@ def test_fixed_sigma_with_target_stops_at_the_budget_everywhere():
                                 target_epsilon=1.5, accountant="rdp", progress=False, log=None)
     result = trainer.fit()
     assert result.stopped_by_budget and result.epsilon <= 1.5
-    pre = cl.contrastive.ContrastivePretrainer(nn.Sequential(nn.Flatten(), nn.Linear(16, 4)),
-                                   torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+    encoder = nn.Sequential(nn.Flatten(), nn.Linear(16, 4))  # its own optimizer: one of other parameters is refused
+    pre = cl.contrastive.ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1),
                                    cl.contrastive.GivenPairs(torch.rand(64, 1, 4, 4), torch.rand(64, 1, 4, 4)), batch_size=8,
                                    epochs=50, delta=1e-3, noise_multiplier=1.0, target_epsilon=1.5, accountant="rdp",
                                    progress=False, log=None)
@@ -385,8 +385,8 @@ def test_every_command_keeps_an_explicit_target_with_a_fixed_sigma(command, tmp_
 
 
 def test_pretrainer_and_dpsgd_calibrate_within_target():
-    pre = cl.contrastive.ContrastivePretrainer(nn.Sequential(nn.Flatten(), nn.Linear(16, 4)),
-                                   torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+    encoder = nn.Sequential(nn.Flatten(), nn.Linear(16, 4))
+    pre = cl.contrastive.ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1),
                                    cl.contrastive.GivenPairs(torch.rand(64, 1, 4, 4), torch.rand(64, 1, 4, 4)), batch_size=8,
                                    epochs=2, delta=1e-3, target_epsilon=2.0, accountant="rdp", progress=False, log=None)
     assert 1.9 <= pre.fit().epsilon <= 2.0

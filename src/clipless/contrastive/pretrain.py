@@ -245,6 +245,7 @@ class ContrastivePretrainer:
         self._wall = 0.0
         # the encoder as given, then as each private step released it: nothing else may change it
         self._released = None if self.accountant is None else snapshot_state(encoder.state_dict())
+        self._check_optimizer()
 
     @property
     def epsilon(self) -> Optional[float]:
@@ -252,6 +253,22 @@ class ContrastivePretrainer:
 
     def _budget_spent(self) -> bool:
         return self.plan is not None and self.plan.max_steps is not None and self.steps >= self.plan.max_steps
+
+    def _check_optimizer(self) -> None:
+        """The optimizer steps the encoder's parameters and nothing else that could move: a parameter outside the
+        encoder gets no clipping and no noise, so one holding a gradient (left by a non-private backward) would be
+        stepped with it at every private step; and an optimizer of none of them would spend the budget on nothing."""
+        mine = {id(p) for p in self.encoder.parameters()}
+        stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+        outside = [p for p in stepped if id(p) not in mine and (p.requires_grad or p.grad is not None)]
+        if outside:
+            raise ValueError(f"the optimizer steps {len(outside)} trainable parameter(s) outside the encoder: they get "
+                             "no clipping and no noise (a gradient left in them by a non-private backward would be "
+                             "applied at every private step); give the pre-trainer an optimizer of the encoder's "
+                             "parameters only")
+        if not any(id(p) in mine and p.requires_grad for p in stepped):
+            raise ValueError("the optimizer steps none of the encoder's trainable parameters: the pre-training would "
+                             "spend its privacy budget and leave the encoder as it is")
 
     def _check_released(self) -> None:
         """The encoder as given or as the last private step released it.  A change since (a step of the optimizer
@@ -267,6 +284,7 @@ class ContrastivePretrainer:
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
         self.encoder.train()
         before = self._released
+        self._check_optimizer()
         if before is not None:
             self._check_released()
             self.plan.check_budget(self.accountant.steps)  # type: ignore[union-attr]  # before the batch is read
