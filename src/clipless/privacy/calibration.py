@@ -25,8 +25,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from .accounting import (
     calibrate_noise_multiplier,
-    check_positive_finite,
     calibrate_steps,
+    check_positive_finite,
     compute_epsilon,
     effective_noise_multiplier,
     gradient_noise_multiplier,

@@ -23,7 +23,6 @@ from ..data.augment import ImageAugmentation
 from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
-from ..privacy.bounds import check_input_shape
 from ..privacy.modules import LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
@@ -135,7 +134,7 @@ class PrivateTrainer:
             data=train_data,
             loss=loss,
             noise_multiplier=noise_multiplier,
-            input_shape=check_input_shape(input_shape),
+            input_shape=input_shape,  # checked there (check_input_shape) before anything reads it
             batch_size=batch_size,
             input_bound=input_bound,
             strategy=strategy,
