@@ -673,7 +673,7 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
     if target.is_dir():
         raise SystemExit(f"clipless export: --out {target} is a directory; give a file name "
                          f"(e.g. {target / 'model.pt2'})")
-    state = load_checkpoint(out_dir / "checkpoint.pt")
+    state = load_checkpoint(out_dir / "checkpoint.pt", kind="training")
     saved = state.get("run_config")
     if not saved:
         raise SystemExit(f"clipless export: {out_dir / 'checkpoint.pt'} records no run configuration; export the model "

@@ -99,6 +99,49 @@ def test_a_checkpoint_of_a_model_changed_after_its_last_step_is_refused(tmp_path
     assert (tmp_path / "ckpt.pt").exists()
 
 
+def test_a_checkpoint_of_the_other_trainer_is_refused_by_its_kind(tmp_path):
+    """A pre-training checkpoint given to ``PrivateTrainer`` (or ``clipless train --resume`` / ``export``), or the
+    reverse, was refused with a message about something else: a differing setting (``method=None``) or "written
+    by an older version".  Now each names the kind of checkpoint it got and what resumes it, for checkpoints that
+    record their kind and for earlier ones told apart by their weights; nothing is loaded."""
+    from clipless.contrastive import AugmentedPairs, ContrastivePretrainer
+
+    data = cl.load_digits()
+    encoder = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8))
+    pretrainer = ContrastivePretrainer(encoder, torch.optim.Adam(encoder.parameters(), lr=1e-3),
+                                       AugmentedPairs(data.train.features, 1, False), method="logit_dp",
+                                       batch_size=128, epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False,
+                                       log=None)
+    pretrainer.fit()
+    pretrainer.save_checkpoint(tmp_path / "pre" / "checkpoint.pt")
+    trainer = digits_trainer(epochs=1)
+    trainer.fit()
+    trainer.save_checkpoint(tmp_path / "train.pt")
+    assert load_checkpoint(tmp_path / "train.pt")["kind"] == "training"
+    for name, kind in (("pre/checkpoint.pt", "pretraining"), ("train.pt", "training")):
+        old = load_checkpoint(tmp_path / name)
+        del old["kind"]  # as an earlier version wrote it
+        save_checkpoint(old, tmp_path / f"old_{kind}.pt")
+        shutil.copy(fingerprint_key_path(tmp_path / name), fingerprint_key_path(tmp_path / f"old_{kind}.pt"))
+    fresh = digits_trainer(epochs=1)
+    before = [p.detach().clone() for p in fresh.module.parameters()]
+    for name in ("pre/checkpoint.pt", "old_pretraining.pt"):
+        with pytest.raises(ValueError, match="is a contrastive pre-training checkpoint .*ContrastivePretrainer.*, "
+                                             "not a private training checkpoint"):
+            fresh.load_checkpoint(tmp_path / name)
+    assert all(torch.equal(a, p) for a, p in zip(before, fresh.module.parameters())) and fresh.steps == 0
+    for name in ("train.pt", "old_training.pt"):
+        other = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8))
+        with pytest.raises(ValueError, match="is a private training checkpoint .*PrivateTrainer.*, not a contrastive"):
+            ContrastivePretrainer(other, torch.optim.Adam(other.parameters()),
+                                  AugmentedPairs(data.train.features, 1, False), method="logit_dp", batch_size=128,
+                                  epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False,
+                                  log=None).load_checkpoint(tmp_path / name)
+    for command in (["train", "--resume", "--no-progress"], ["export"]):
+        with pytest.raises(SystemExit, match="is a contrastive pre-training checkpoint"):
+            main([*command, "--output-dir", str(tmp_path / "pre")])
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     straight = digits_trainer(epochs=4)
     straight.fit()

@@ -405,6 +405,7 @@ class ContrastivePretrainer:
         # kept only where the sampling state is (a seeded run); a secret run's resume draws fresh augmentations.
         keep_pairs = sampling_rng is not None and hasattr(self.pairs, "state_dict")
         state = {
+            "kind": "pretraining",
             "encoder": self.encoder.state_dict(), "optimizer": self.optimizer.state_dict(),
             "accountant": None if self.accountant is None else self.accountant.state_dict(),
             "config": {**self._privacy_config(), "train_data": keyed_fingerprint(self._data_fingerprint,
@@ -420,7 +421,7 @@ class ContrastivePretrainer:
         """Resume; refuses a checkpoint without accountant state or with another privacy configuration, and a
         pre-trainer that has already released steps (a rollback)."""
         check_nothing_released(self.steps if self.accountant is not None else 0, "this pre-trainer")
-        state = load_checkpoint(path)
+        state = load_checkpoint(path, kind="pretraining")
         if self.accountant is not None and not state.get("accountant"):
             raise ValueError(f"checkpoint {path} has no accountant state: its privacy cost cannot be resumed")
         saved = state.get("config") or {}

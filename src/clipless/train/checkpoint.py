@@ -17,7 +17,8 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "write_atomically", "check_fits",
+__all__ = ["CheckpointError", "KINDS", "checkpoint_kind", "save_checkpoint", "load_checkpoint", "write_atomically",
+           "check_fits",
            "checkpoint_destination",
            "keyed_fingerprint", "read_fingerprint_key", "fingerprint_key_for", "fingerprint_key_path",
            "check_records"]
@@ -74,8 +75,25 @@ def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
     write_atomically(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
 
 
-def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> Dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint`; refuses a damaged one with a clear message."""
+# Each kind of checkpoint: what it is, what writes and resumes it, and the entry that holds its weights (which
+# tells apart the checkpoints of earlier versions, which do not record their kind).
+KINDS = {
+    "training": ("a private training checkpoint", "PrivateTrainer, clipless train --resume", "model"),
+    "pretraining": ("a contrastive pre-training checkpoint", "ContrastivePretrainer, clipless pretrain --resume",
+                    "encoder"),
+}
+
+
+def checkpoint_kind(state: Dict[str, Any]) -> Optional[str]:
+    """``state['kind']``, or for a checkpoint that does not record it, the kind whose weights it holds."""
+    if state.get("kind") in KINDS:
+        return state["kind"]
+    return next((kind for kind, (*_, weights) in KINDS.items() if weights in state), None)
+
+
+def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu", kind: Optional[str] = None) -> Dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`; refuses a damaged one, and one of another ``kind``
+    than asked (a :data:`KINDS` key), with a clear message."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -92,6 +110,12 @@ def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> Dict[s
     state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=False)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} does not hold a training state")
+    found = checkpoint_kind(state)
+    if kind is not None and found != kind:
+        what = (f"{KINDS[found][0]} ({KINDS[found][1]})" if found is not None
+                else "a checkpoint of neither trainer (it holds no model and no encoder)")
+        raise CheckpointError(f"{path} is {what}, not {KINDS[kind][0]} ({KINDS[kind][1]}): resume or export it with "
+                              "what wrote it (a pre-training run also writes its encoder's weights to encoder.pt)")
     return state
 
 

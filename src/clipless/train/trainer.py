@@ -332,6 +332,7 @@ class PrivateTrainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         fingerprint_key = fingerprint_key_for(path)
         state = {
+            "kind": "training",
             "model": self.module.state_dict(),
             "world_size": self.world_size,
             "averaged_model": self.averaged_model.state_dict() if self.averaged_model is not None else None,
@@ -354,7 +355,7 @@ class PrivateTrainer:
     @staticmethod
     def read_run_config(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
         """The ``run_config`` a checkpoint was saved with (None if the run recorded none)."""
-        return load_checkpoint(path).get("run_config")
+        return load_checkpoint(path, kind="training").get("run_config")
 
     def load_checkpoint(self, path: Union[str, Path]) -> None:
         """Resume; refuses a checkpoint without accountant state or with another privacy configuration, and a
@@ -362,7 +363,7 @@ class PrivateTrainer:
         and augmentation streams; a private run keeps its fresh OS-entropy ones (two resumes of one checkpoint
         must not share noise or batches)."""
         check_nothing_released(self.steps, "this trainer")
-        state = load_checkpoint(path, map_location=self.device)
+        state = load_checkpoint(path, map_location=self.device, kind="training")
         accountant_state = state.get("accountant")
         if not accountant_state or (not accountant_state.get("history") and state.get("steps", 0) > 0):
             raise ValueError(
