@@ -105,6 +105,32 @@ def test_losses_validate_shapes():
         cl.MulticlassHinge(3)(torch.zeros(4), torch.zeros(4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("loss", [cl.TauCrossEntropy(8.0), cl.CrossEntropyWithTemperature(), cl.MulticlassHinge(3),
+                                  cl.MulticlassKR(3), cl.MulticlassHKR(3), cl.KCosineSimilarity()],
+                         ids=lambda loss: type(loss).__name__)
+@pytest.mark.parametrize("labels, match", [
+    (torch.tensor([0.0, 1.0, 2.0, 1.0]), "expected integer class labels, got torch.float32"),
+    (torch.tensor([True, False, True, True]), "expected integer class labels, got torch.bool"),
+    (torch.tensor([0, 1, -1, 2]), r"class indices in \[0, 3\) .* from -1 to 2"),
+    (torch.tensor([0, 1, 3, 2]), r"class indices in \[0, 3\) .* from 0 to 3"),
+])
+def test_multiclass_losses_refuse_labels_that_are_not_class_indices(loss, labels, match):
+    """Float and boolean labels died in torch ("expected target dtype to be Long"), or, for KCosineSimilarity's
+    gather, not at all for some; a negative or too large label was torch's IndexError naming one value (on CUDA a
+    device-side assert).  Each is now a ValueError saying what a label must be, before the loss reads it."""
+    with pytest.raises(ValueError, match=match):
+        loss.per_example(torch.zeros(4, 3), labels)
+
+
+def test_binary_cross_entropy_refuses_labels_other_than_0_1_or_minus_1():
+    """A label 5 or 0.5 was read by its sign as the positive class, without a word."""
+    loss = cl.BinaryCrossEntropyWithTemperature()
+    for labels in (torch.tensor([0, 1, 5]), torch.tensor([0.0, 1.0, 0.5]), torch.tensor([-2, 1, 0])):
+        with pytest.raises(ValueError, match="binary labels must be 0 or 1"):
+            loss.per_example(torch.zeros(3), labels)
+    loss.per_example(torch.zeros(3), torch.tensor([0.0, 1.0, -1.0]))  # float 0/1/-1 are the same labels
+
+
 def test_reductions():
     loss = cl.TauCrossEntropy(tau=2.0, reduction="sum")
     z, y = torch.randn(6, 3), torch.randint(0, 3, (6,))

@@ -34,6 +34,13 @@ def _check_multiclass(logits: torch.Tensor, target: torch.Tensor) -> None:
         raise ValueError(f"expected logits of shape (batch, classes), got {tuple(logits.shape)}")
     if target.shape != logits.shape[:1]:
         raise ValueError(f"expected integer labels of shape ({logits.shape[0]},), got {tuple(target.shape)}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise ValueError(f"expected integer class labels, got {target.dtype} labels: give class indices 0..K-1 "
+                         "(torch.long), not one-hot, scores or booleans")
+    # before the loss indexes with them: torch's error names only one value, and on CUDA it is a device assert
+    if target.numel() and not bool(((target >= 0) & (target < logits.shape[1])).all()):
+        raise ValueError(f"labels must be class indices in [0, {logits.shape[1]}) for a model with "
+                         f"{logits.shape[1]} outputs, got labels from {int(target.min())} to {int(target.max())}")
 
 
 class TauCrossEntropy(LipschitzLoss):
@@ -92,6 +99,8 @@ class BinaryCrossEntropyWithTemperature(LipschitzLoss):
             logits = logits[:, 0]
         if logits.dim() != 1 or target.shape != logits.shape:
             raise ValueError(f"expected logits (batch,) or (batch, 1) and labels (batch,), got {tuple(logits.shape)}")
+        if target.numel() and not bool(((target == 1) | (target == 0) | (target == -1)).all()):
+            raise ValueError("binary labels must be 0 or 1 (or -1 or 1): any other value was read as its sign")
         sign = torch.where(target > 0, 1.0, -1.0).to(logits.dtype)
         return F.softplus(-sign * logits / self.temperature)
 
