@@ -204,6 +204,29 @@ def test_any_idx_image_dataset(tmp_path):
         cl.load_dataset("idx", d)
 
 
+def test_held_out_data_stored_in_the_training_tensors_memory_is_refused():
+    """Held-out data made as a view of the training tensors (``ArrayDataset(X[:300], y[:300])`` beside a training
+    set of all of ``X``) passed: neither a ``Subset`` nor the same records in the same order.  Its score was
+    computed from training records and released without noise.  Views that share memory are now refused, for
+    the trainer's test data and the pre-trainer's held-out pairs; disjoint views of one tensor still pass."""
+    from clipless.contrastive import AugmentedPairs, GivenPairs
+
+    data = cl.load_digits()
+    X, y = data.train.features, data.train.labels
+    check_held_out(cl.ArrayDataset(X[:1000], y[:1000]), cl.ArrayDataset(X[1000:], y[1000:]))  # disjoint
+    check_held_out(data.train, cl.ArrayDataset(X[:300].clone(), y[:300].clone()))  # stored apart: its own
+    check_held_out(AugmentedPairs(X[:1000], 1, False), AugmentedPairs(X[1000:], 1, False))
+    for train, held_out in [
+        (data.train, cl.ArrayDataset(X[:300], y[:300])),
+        (data.train, cl.ArrayDataset(X[700:], y[700:])),
+        (cl.ArrayDataset(X[:1000], y[:1000]), cl.ArrayDataset(X[999:], y[999:])),  # one shared row
+        (AugmentedPairs(X, 1, False), AugmentedPairs(X[:300], 1, False)),
+        (GivenPairs(X, X.flip(-1)), GivenPairs(X[5:10], X[5:10].flip(-1))),
+    ]:
+        with pytest.raises(ValueError, match="stored in the same memory as the training data"):
+            check_held_out(train, held_out)
+
+
 def test_held_out_data_that_shares_training_records_refused():
     """A score on held-out data is released without noise: data that is, copies or overlaps the training records
     (through Subset views of one dataset) is refused; disjoint splits and the real test split pass."""

@@ -157,6 +157,10 @@ class AugmentedPairs(Dataset):
             digest.update(record)
         return digest.hexdigest()
 
+    def record_tensors(self) -> Tuple[torch.Tensor, ...]:
+        """The tensor that holds the records (held-out images stored in the same memory are refused)."""
+        return (self.images,)
+
     def state_dict(self) -> dict:
         """Key and draw counts: resuming from them repeats the augmentations exactly.  The counts say how often
         the sampling took each record, so they are as secret as the batches: the pre-trainer's checkpoint keeps
@@ -192,3 +196,7 @@ class GivenPairs(Dataset):
     def fingerprint(self) -> str:
         """A digest of the pairs, in order (a pre-training resume on other records is refused)."""
         return tensors_fingerprint(self.xa, self.xb)
+
+    def record_tensors(self) -> Tuple[torch.Tensor, ...]:
+        """The tensors that hold the records (held-out pairs stored in the same memory are refused)."""
+        return self.xa, self.xb

@@ -88,6 +88,23 @@ def check_held_out(train: Dataset, held_out: Optional[Dataset], what: str = "tes
         if shared or (rows_a is None and rows_b is None):
             raise ValueError(f"{what} shares {shared or 'all its'} records with the training data (Subset views "
                              "of one dataset): a score on them is not private; split the indices disjointly")
+    elif rows_a is None and rows_b is None and _share_memory(base_a, base_b):
+        raise ValueError(f"{what} holds records stored in the same memory as the training data's (a slice or view "
+                         "of the training tensors, such as X[:300]): a score on them is not private; split the rows "
+                         "disjointly (X[:n] to train, X[n:] held out)")
+
+
+def _share_memory(a: Dataset, b: Dataset) -> bool:
+    """Whether two datasets' record tensors (``record_tensors()``) overlap in memory: views of one tensor whose
+    byte ranges intersect.  Only contiguous views are compared, where an intersecting range means shared
+    elements (``X[:n]`` and ``X[n:]`` share a storage, not an element)."""
+    def ranges(data: Dataset) -> List[Tuple[int, int, int]]:
+        tensors = getattr(data, "record_tensors", lambda: ())()
+        return [(t.untyped_storage().data_ptr(), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                for t in tensors if t.numel() and t.is_contiguous()]
+
+    return any(sa == sb and start_a < end_b and start_b < end_a
+               for sa, start_a, end_a in ranges(a) for sb, start_b, end_b in ranges(b))
 
 
 class ArrayDataset(Dataset):
@@ -108,6 +125,10 @@ class ArrayDataset(Dataset):
     def fingerprint(self) -> str:
         """A digest of the records (features, labels, order): a resume on other data or another split is refused."""
         return tensors_fingerprint(self.features, self.labels)
+
+    def record_tensors(self) -> Tuple[torch.Tensor, ...]:
+        """The tensors that hold the records (held-out data stored in the same memory is refused)."""
+        return (self.features,)
 
     def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """A whole batch in one indexing operation (used by the Poisson loader)."""
