@@ -996,7 +996,8 @@ def test_an_encoder_changed_between_private_steps_is_refused_and_put_back(method
         else:
             t.encoder.load_state_dict({k: v + 0.01 for k, v in released.items()})
     steps = t.accountant.steps
-    with pytest.raises(ValueError, match="the encoder changed outside the private pre-training"):
+    with pytest.raises(ValueError, match=f"the {'optimizer.s state' if how == 'optimizer' else 'encoder'} changed "
+                                         "outside the private pre-training"):
         t.save_checkpoint(tmp_path / "ckpt.pt")
     assert not (tmp_path / "ckpt.pt").exists()
     assert all(torch.equal(v, released[k]) for k, v in t.encoder.state_dict().items())
@@ -1007,6 +1008,50 @@ def test_an_encoder_changed_between_private_steps_is_refused_and_put_back(method
     assert all(torch.equal(v, released[k]) for k, v in t.encoder.state_dict().items())
     assert t.accountant.steps == steps
     t._step(xa, xb)  # the released encoder goes on training privately
+    assert t.accountant.steps == steps + 1
+    t.save_checkpoint(tmp_path / "ckpt.pt")
+
+
+@pytest.mark.parametrize("how", ["outside_step", "load_state_dict", "cleared"])
+def test_an_optimizer_state_changed_between_private_steps_is_refused_and_put_back(how, tmp_path) -> None:
+    """The encoder was put back after a step of the pre-trainer's own optimizer outside ``fit()``, but the
+    optimizer's moments kept that step's gradient, computed without noise: Adam carried it into every later
+    released step, and a checkpoint saved it.  Now the next step and a checkpoint refuse a changed optimizer
+    state, and put it back with the encoder."""
+    t = _trainer("logit_dp", epochs=1)
+    xa, xb = t.pairs.gather(list(range(64)))
+    t._step(xa, xb)
+    released = copy.deepcopy(t.optimizer.state_dict()["state"])
+    weights = {k: v.clone() for k, v in t.encoder.state_dict().items()}
+
+    def change() -> None:
+        if how == "outside_step":
+            for p in t.encoder.parameters():
+                p.grad = None
+            LOSS_FUNCTIONS["contrastive"](pair_logits(t.encoder, xa, xb, 1.0)).backward()  # no clip, no noise
+            t.optimizer.step()
+        elif how == "load_state_dict":
+            other = copy.deepcopy(t.optimizer.state_dict())
+            for entry in other["state"].values():
+                entry["exp_avg"].add_(1.0)
+            t.optimizer.load_state_dict(other)
+        else:
+            t.optimizer.state.clear()
+
+    for act in (lambda: t.save_checkpoint(tmp_path / "ckpt.pt"), lambda: t._step(xa, xb)):
+        change()
+        with pytest.raises(ValueError, match="the optimizer's state changed outside the private pre-training"):
+            act()
+        now = t.optimizer.state_dict()["state"]
+        assert now.keys() == released.keys()
+        assert all(torch.equal(torch.as_tensor(now[i][k]), torch.as_tensor(v))
+                   for i in released for k, v in released[i].items())
+        assert all(torch.equal(v, weights[k]) for k, v in t.encoder.state_dict().items())
+    assert not (tmp_path / "ckpt.pt").exists()
+    for p in t.encoder.parameters():
+        p.grad = None
+    steps = t.accountant.steps
+    t._step(xa, xb)  # the released state goes on training privately
     assert t.accountant.steps == steps + 1
     t.save_checkpoint(tmp_path / "ckpt.pt")
 

@@ -8,6 +8,7 @@ test embeddings and a linear head trained on frozen embeddings.
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from dataclasses import asdict, dataclass, field
@@ -78,6 +79,12 @@ def build_encoder(kind: str, input_shape, embedding_dim: int, hidden=(256,), cha
         body = standard_mlp(shape, embedding_dim, hidden=hidden)
     return nn.Sequential(*stem, *body) if stem else body
 
+
+
+def _optimizer_tensors(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """An optimizer ``state_dict``'s per-parameter state (moments, step counts) as named tensors."""
+    return {f"{index}.{key}": torch.as_tensor(value) for index, entry in state["state"].items()
+            for key, value in entry.items()}
 
 @dataclass
 class PretrainResult:
@@ -243,8 +250,10 @@ class ContrastivePretrainer:
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
         self._wall = 0.0
-        # the encoder as given, then as each private step released it: nothing else may change it
+        # the encoder and the optimizer's state as given, then as each private step released them: nothing else
+        # may change them
         self._released = None if self.accountant is None else snapshot_state(encoder.state_dict())
+        self._released_optimizer = self._snapshot_optimizer()
         self._check_optimizer()
 
     @property
@@ -270,10 +279,24 @@ class ContrastivePretrainer:
             raise ValueError("the optimizer steps none of the encoder's trainable parameters: the pre-training would "
                              "spend its privacy budget and leave the encoder as it is")
 
+    def _snapshot_optimizer(self) -> Optional[Dict[str, Any]]:
+        return None if self.accountant is None else copy.deepcopy(self.optimizer.state_dict())
+
     def _check_released(self) -> None:
         """The encoder as given or as the last private step released it.  A change since (a step of the optimizer
         outside the pre-trainer, ``p -= lr * p.grad`` by hand, a ``load_state_dict``) holds what it was computed
-        from without noise, and the encoder would release it: refused, and the released state put back."""
+        from without noise, and the encoder would release it: refused, and the released state put back.  So is a
+        change of the optimizer's state (an outside step's moments would move every later released step)."""
+        saved = self._released_optimizer
+        if saved is not None and changed_state(_optimizer_tensors(self.optimizer.state_dict()),
+                                               _optimizer_tensors(saved)):
+            self.optimizer.load_state_dict(copy.deepcopy(saved))  # a copy: the live state must not alias the snapshot
+            put_back_changes_(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
+            raise ValueError("the optimizer's state changed outside the private pre-training since its last release "
+                             "(a step of the pre-trainer's optimizer outside fit(), or its load_state_dict): its "
+                             "moments would carry a gradient without noise into every later released step; the "
+                             "optimizer's state and the encoder were put back. Step the optimizer only through fit() "
+                             "(a resume: load_checkpoint)")
         changed = put_back_changes_(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
         if changed:
             raise ValueError(f"the encoder changed outside the private pre-training since its last release "
@@ -316,6 +339,7 @@ class ContrastivePretrainer:
         self.optimizer.step()
         if self.accountant is not None:
             self._released = snapshot_state(self.encoder.state_dict())
+            self._released_optimizer = self._snapshot_optimizer()
         self.steps += 1
         return stats
 
@@ -439,6 +463,7 @@ class ContrastivePretrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.accountant is not None:
             self._released = snapshot_state(self.encoder.state_dict())
+            self._released_optimizer = self._snapshot_optimizer()
             self.accountant.load_state_dict(state["accountant"])
         self.steps, self.epoch, self.history, self._wall = state["steps"], state["epoch"], state["history"], state["wall"]
         resume_generator(self.noise_generator, state["noise_rng"])
