@@ -352,7 +352,7 @@ class DPOptimizer:
         return report
 
     def _release(self, params: List[torch.Tensor], report: BoundReport) -> None:
-        """Add the planned noise, step, project, account, and start the next step."""
+        """Add the planned noise, account, step, project, and start the next step."""
         self.last_report = report
         if self.world_size == 1:
             self.last_noise_std = add_noise_(
@@ -365,6 +365,9 @@ class DPOptimizer:
             all_reduce_sum_(grads)  # type: ignore[arg-type]
             for g in grads:
                 g.div_(self.expected_batch_size)  # type: ignore[union-attr]
+        # Accounted as soon as the noisy gradient exists: the inner step consumes it into its state (momentum, Adam's
+        # moments), which later released steps apply even if what follows here fails and the model is put back.
+        self.plan.account_step(self.accountant)
         self.original_optimizer.step()
         self.bound_engine.project_()
         passes = self.guard.released_backward_passes() if self.step_mechanisms else ()
@@ -375,7 +378,6 @@ class DPOptimizer:
                 clip.update_(self.expected_batch_size, self.generator, distributed=True)
             else:  # the one-process call, as every PerStepMechanism implements it
                 clip.update_(self.expected_batch_size, self.generator)
-        self.plan.account_step(self.accountant)
         self._released_state = self._snapshot_released()  # stepped and projected (a noisy count may update a buffer)
         self._steps_released += 1
         # the next step needs a new batch's backward (no zero_grad can be forgotten); its forward compares the
