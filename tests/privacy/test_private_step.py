@@ -203,3 +203,37 @@ def test_a_step_that_fails_after_its_noisy_gradient_reached_the_optimizer_is_acc
     loss.per_example(model(x), y).sum().backward()
     opt.step()
     assert engine.accountant.steps == 3
+
+
+@pytest.mark.parametrize("how", ["dict", "object_setattr", "update_", "keep_only_"])
+def test_a_per_step_mechanism_changed_past_its_read_only_guard_is_refused(how):
+    """The adaptive clip's ``count_noise_multiplier`` is read-only, but a write to the instance's ``__dict__`` (or
+    ``object.__setattr__``) passed: the count was then released with almost no noise while the accountant composed
+    the planned multiplier.  A method set on the instance (``clip.update_ = ...``) released whatever it liked.  Both
+    are now refused by the step, before anything is released."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 6)
+    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (32,))
+    clip = cl.AdaptiveLossGradientClip(1.0, count_noise_multiplier=5.0)
+    model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3), clip)
+    loss, engine = cl.TauCrossEntropy(2.0), cl.PrivacyEngine("rdp")
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
+        noise_multiplier=1.0, input_shape=(6,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    opt.step()
+    c, steps = float(clip.clip_norm), engine.accountant.steps
+    if how == "dict":
+        clip.__dict__["count_noise_multiplier"] = 1e-9
+    elif how == "object_setattr":
+        object.__setattr__(clip, "count_noise_multiplier", 1e-9)
+    else:
+        object.__setattr__(clip, how, lambda *args, **kwargs: None)
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    match = "count_noise_multiplier changed after make_private" if how in ("dict", "object_setattr") else \
+        f"has its own {how}"
+    with pytest.raises(cl.BoundError, match=match):
+        opt.step()
+    assert float(clip.clip_norm) == c and engine.accountant.steps == steps

@@ -30,7 +30,7 @@ from torch.nn.utils import parametrize
 
 from .certified import BoundError
 from .input_guard import global_hooks_registered, module_hooks, replaced_forward
-from .modules import BoundedModule, LayerBound, Residual
+from .modules import BoundedModule, LayerBound, PerStepMechanism, Residual
 
 __all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound", "check_input_shape"]
 
@@ -264,11 +264,13 @@ class BoundEngine:
             replaced = replaced_forward(module)
             if replaced is None and isinstance(module, BoundedModule) and "layer_bound" in vars(module):
                 replaced = "layer_bound"  # an unchecked bound in place of the class's certified one
+            if replaced is None and isinstance(module, PerStepMechanism):  # what it releases after each step
+                replaced = next((m for m in ("update_", "keep_only_", "counting_paused") if m in vars(module)), None)
             if replaced:
                 raise BoundError(f"module '{name}' ({type(module).__name__}) has its own {replaced} (set on the "
-                                 "instance, e.g. module.forward = ..., module.layer_bound = ... or module.compile()): "
-                                 "the bounds describe its class's forward and are its class's; use a layer class "
-                                 "that declares bounds for what it computes")
+                                 "instance, e.g. module.forward = ..., module.layer_bound = ..., module.update_ = ... "
+                                 "or module.compile()): the bounds describe its class's forward and are its class's; "
+                                 "use a layer class that declares bounds for what it computes")
 
     def _check_same_layers(self) -> None:
         """The layers the bounds were set up for are still the model's, in the same places: a layer added,

@@ -121,6 +121,7 @@ class DPOptimizer:
         # Adaptive clipping releases a noisy count per step on the same batch: one more Gaussian mechanism.
         self.step_mechanisms = step_mechanisms(bound_engine.model)
         counts = tuple(clip.count_noise_multiplier for clip in self.step_mechanisms)
+        self._planned_counts = counts  # what the accountant composes at every step: checked at every step
         if tuple(sorted(counts)) != tuple(sorted(plan.mechanism_sigmas)):
             raise ValueError(f"the noise plan accounts per-step mechanisms {list(plan.mechanism_sigmas)} but the "
                              f"model releases counts with multipliers {list(counts)}")
@@ -348,6 +349,12 @@ class DPOptimizer:
                              "after the backward) has a gradient: the optimizer would apply it without noise; "
                              "freeze parameters before the forward, or set their .grad to None")
         self.guard.check_sums(report)
+        counts = tuple(clip.count_noise_multiplier for clip in self.step_mechanisms)
+        if counts != self._planned_counts:  # a constant written past its guard (the instance's __dict__)
+            raise BoundError(f"a per-step mechanism's count_noise_multiplier changed after make_private ({counts} "
+                             f"instead of {self._planned_counts}): its count would be released with other noise than "
+                             "the accountant composes; build the layer with the multiplier you want, then make the "
+                             "model private")
         self.check_released_state()  # after the checks that name a replaced or frozen parameter more precisely
         return report
 
