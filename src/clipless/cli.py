@@ -907,7 +907,7 @@ def run_audit(config: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any
             model, loss, optimizer, input_bound = _build_clipless(config, data, shape)
             trainer = _trainer(config, model, loss, optimizer, train_set, data.test, shape, input_bound, None)
             if args.noise_scale != 1.0:
-                trainer.optimizer.plan = miscalibrated(trainer.optimizer.plan, args.noise_scale)
+                trainer.optimizer.audit_replace_plan_(miscalibrated(trainer.optimizer.plan, args.noise_scale))
             fitted = trainer.fit()
             extra.update(test_accuracy=fitted.test_accuracy, steps=fitted.steps)
             trained_loss.append(loss)

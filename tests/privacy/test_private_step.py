@@ -237,3 +237,46 @@ def test_a_per_step_mechanism_changed_past_its_read_only_guard_is_refused(how):
     with pytest.raises(cl.BoundError, match=match):
         opt.step()
     assert float(clip.clip_norm) == c and engine.accountant.steps == steps
+
+
+def test_the_optimizers_noise_settings_are_read_only_and_checked_every_step():
+    """The plan, accountant, noise generator and batch size of a DPOptimizer were plain attributes: a plan with
+    other sigmas (``dataclasses.replace``), a fresh accountant or a seeded generator put in their place drew or
+    counted other noise than the run reported (a 1e-9 sigma ran at the reported epsilon 3; a fresh accountant
+    reported epsilon 0).  They are now read-only, and each step checks them against their values at
+    ``make_private`` (a write to the instance's ``__dict__`` passes the read-only guard)."""
+    import dataclasses
+
+    model, opt, _, loss, engine, data = small_setup(lr=0.1)
+    x, y = data.features[:8], data.labels[:8]
+    quiet = dataclasses.replace(opt.plan, layer_sigmas={k: 1e-9 for k in opt.plan.layer_sigmas}, gradient_sigma=1e-9)
+    for name, value in [("plan", quiet), ("accountant", cl.PrivacyAccountant("rdp")),
+                        ("generator", torch.Generator().manual_seed(0)), ("expected_batch_size", 1e9),
+                        ("sample_rate", 1e-9)]:
+        with pytest.raises(AttributeError, match=f"DPOptimizer.{name} is a declared constant"):
+            setattr(opt, name, value)
+        frozen = opt.__dict__[name]
+        opt.__dict__[name] = value
+        loss.per_example(model(x), y).sum().backward()
+        weights = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(cl.BoundError, match="changed after make_private"):
+            opt.step()
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights)) and engine.accountant.steps == 0
+        opt.__dict__[name] = frozen
+        opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()  # as built, it steps
+    assert engine.accountant.steps == 1
+
+
+def test_a_secret_generator_refuses_to_be_reseeded():
+    """``opt.generator.manual_seed(0)`` made a secret run's noise public while its result still said OS entropy.
+    Every secret generator (the default of every entry point) now refuses it; a fixed-seed one does not."""
+    from clipless.privacy.randomness import make_generator, secret_generator
+
+    for generator in (secret_generator(), make_generator(None, stream=2)):
+        for reseed in (lambda g: g.manual_seed(0), lambda g: g.set_state(torch.Generator().get_state()),
+                       lambda g: g.seed()):
+            with pytest.raises(RuntimeError, match="on a secret generator"):
+                reseed(generator)
+    make_generator(0, stream=2).manual_seed(1)

@@ -12,6 +12,7 @@ be the gradient of the **sum** of per-example losses of one Poisson batch
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -24,7 +25,7 @@ from .calibration import NoisePlan
 from .certified import BoundError
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
 from .input_guard import StepGuard, rows_repeated, unwatched
-from .modules import step_mechanisms
+from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_
 from .randomness import resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
@@ -73,7 +74,7 @@ def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.T
     return changed
 
 
-class DPOptimizer:
+class DPOptimizer(DeclaredConstants):
     """A private optimizer step around ``optimizer`` for the model covered by ``bound_engine``.
 
     The noise comes from ``plan`` (:func:`~clipless.privacy.calibration.plan_noise`, the one noise plan); the
@@ -82,6 +83,12 @@ class DPOptimizer:
     ``augmentation_multiplicity`` ``K``: the backward may carry ``K`` augmented rows per example, each loss
     weighted ``1/K`` (the mean of an example's ``K`` gradients is within the same per-example bound).
     """
+
+    # What the noise and the accountant's composition rest on: set once, then read-only (a replaced plan, accountant
+    # or generator would draw or count other noise than the run reports); each step also checks them against the
+    # values frozen at construction (a write to the instance's __dict__ passes the read-only guard).
+    constants = ("original_optimizer", "bound_engine", "plan", "expected_batch_size", "sample_rate", "accountant",
+                 "step_mechanisms", "augmentation_multiplicity", "generator")
 
     def __init__(
         self,
@@ -149,7 +156,29 @@ class DPOptimizer:
         names = {id(p): name for name, p in bound_engine.model.named_parameters()}
         self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
         self._retired = False
+        self._frozen = self._settings()
         _LATEST[bound_engine.model] = weakref.ref(self)
+
+    def _settings(self) -> Tuple[Any, ...]:
+        """What each step's noise and accounting use, as values (the plan's numbers) and identities."""
+        plan = self.plan
+        return (id(plan), plan.strategy, tuple(sorted(plan.layer_sigmas.items())), plan.gradient_sigma,
+                plan.mechanism_sigmas, plan.step_sigma, plan.sample_rate, plan.accountant, plan.max_steps,
+                id(self.accountant), id(self.generator), id(self.original_optimizer), id(self.bound_engine),
+                self.expected_batch_size, self.sample_rate, tuple(id(m) for m in self.step_mechanisms),
+                tuple(clip.count_noise_multiplier for clip in self.step_mechanisms))
+
+    def audit_replace_plan_(self, plan: NoisePlan) -> None:
+        """A deliberate bug for empirical audits only (``clipless audit --noise-scale``): from now on draw the noise
+        of ``plan`` while the accountant goes on composing the original plan's ``step_sigma``.  The run's epsilon
+        is then false; the audit that calls this labels its result as a diagnostic, not a private run."""
+        if set(plan.layer_sigmas) != set(self.plan.layer_sigmas) or plan.accountant != self.plan.accountant:
+            raise ValueError("the replacement plan must name the same layers and accountant")
+        accounted = self.plan
+        object.__setattr__(self, "plan", dataclasses.replace(plan, step_sigma=accounted.step_sigma,
+                                                             sample_rate=accounted.sample_rate,
+                                                             max_steps=accounted.max_steps))
+        self._frozen = self._settings()
 
     def _retire_earlier(self, model: torch.nn.Module) -> None:
         """A model made private again is stepped by the new optimizer only: the earlier one's guard leaves the
@@ -355,6 +384,11 @@ class DPOptimizer:
                              f"instead of {self._planned_counts}): its count would be released with other noise than "
                              "the accountant composes; build the layer with the multiplier you want, then make the "
                              "model private")
+        if self._settings() != self._frozen:
+            raise BoundError("the private optimizer's noise plan, accountant, noise generator, inner optimizer or "
+                             "batch size changed after make_private (written past their read-only guard): the step "
+                             "would draw or account other noise than the run reports; make the model private again "
+                             "for other settings")
         self.check_released_state()  # after the checks that name a replaced or frozen parameter more precisely
         return report
 

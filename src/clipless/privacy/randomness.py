@@ -41,6 +41,26 @@ class _SecretGenerator(torch.Generator):
     would otherwise draw the same noise and batches, and the difference of two copies' releases would carry no
     noise.  Checkpoints do not keep its state (:func:`saved_generator_state`)."""
 
+    _sealed = False  # set once secret_generator has seeded it from OS entropy
+
+    def _check_unsealed(self, what: str) -> None:
+        if self._sealed:
+            raise RuntimeError(f"{what} on a secret generator: its state must stay unknown, and the run would go on "
+                               "calling its noise or batches OS entropy; for a reproducible, non-private run pass a "
+                               "fixed noise_seed (noise_generator=) when the run is built")
+
+    def manual_seed(self, seed: int) -> torch.Generator:
+        self._check_unsealed("manual_seed")
+        return super().manual_seed(seed)
+
+    def set_state(self, new_state: torch.Tensor) -> torch.Generator:
+        self._check_unsealed("set_state")
+        return super().set_state(new_state)
+
+    def seed(self) -> int:
+        self._check_unsealed("seed")
+        return super().seed()
+
     def __deepcopy__(self, memo: Dict[int, Any]) -> "_SecretGenerator":
         return secret_generator(self.device)
 
@@ -55,6 +75,7 @@ def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generato
     generator = _SecretGenerator(device=device)
     if device.type != "cpu":
         generator.manual_seed(secret_seed(64))
+        generator._sealed = True
         return generator
     generator.manual_seed(secret_seed(32))  # puts the header in the freshly-seeded form (left = 1)
     state = generator.get_state().clone()
@@ -67,6 +88,7 @@ def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generato
     if not torch.equal(generator.get_state()[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS],
                        state[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS]):
         raise RuntimeError("torch did not accept the entropy-filled generator state")
+    generator._sealed = True
     return generator
 
 
