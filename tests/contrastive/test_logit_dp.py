@@ -1725,3 +1725,27 @@ def test_clip_norms_and_temperatures_must_be_positive_and_finite(bad):
         logit_dp_sensitivity(1.0, bad)
     with pytest.raises(ValueError, match="positive and finite"):
         naive_dp_sensitivity(bad)
+
+
+def test_the_pretrainers_privacy_settings_are_read_only_and_checked_every_step() -> None:
+    """``t.tau = 0.1`` after construction ran InfoNCE at tau 0.1, whose sensitivity is e^18 times the one the
+    noise was calibrated to, at the reported epsilon; ``t.clip_norm``, ``t.sigma``, ``t.method`` or ``t.delta``
+    (epsilon 0 at delta 0.5) did the same.  They are now read-only, and a step checks them against their values
+    at construction (a write to the instance's ``__dict__`` passes the read-only guard)."""
+    t = _trainer("logit_dp", epochs=1)
+    for name, value in [("tau", 0.1), ("clip_norm", 100.0), ("sigma", 1e-6), ("sensitivity", 1e-6),
+                        ("method", "nonprivate"), ("delta", 0.5), ("noise_generator", torch.Generator())]:
+        with pytest.raises(AttributeError, match=f"ContrastivePretrainer.{name} is a declared constant"):
+            setattr(t, name, value)
+    xa, xb = t.pairs.gather(list(range(64)))
+    weights = {k: v.clone() for k, v in t.encoder.state_dict().items()}
+    for name, value in [("tau", 0.1), ("clip_norm", 100.0), ("sigma", 1e-6)]:
+        frozen = t.__dict__[name]
+        t.__dict__[name] = value
+        with pytest.raises(ValueError, match="privacy settings .* changed after it was built"):
+            t._step(xa, xb)
+        assert all(torch.equal(v, weights[k]) for k, v in t.encoder.state_dict().items())
+        assert t.accountant.steps == 0
+        t.__dict__[name] = frozen
+    t._step(xa, xb)  # as built, it steps
+    assert t.accountant.steps == 1

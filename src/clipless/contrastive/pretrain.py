@@ -13,7 +13,7 @@ import functools
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -24,10 +24,11 @@ from ..data.datasets import check_held_out
 from ..nn.functional import whole_number
 from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_delta,
                                   check_nothing_released)
-from ..privacy.calibration import plan_noise, planned_steps
+from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
 from ..privacy.noise import add_gaussian_noise_
 from ..privacy.optimizer import changed_state, put_back_changes_, restore_state_, snapshot_state
 from ..privacy.distributed import world
+from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import expected_batch_size, poisson_data_loader
 from ..train.checkpoint import (check_fits, check_records, checkpoint_destination, fingerprint_key_for,
@@ -159,7 +160,7 @@ _SETTINGS_BEHIND = {
 }
 
 
-class ContrastivePretrainer:
+class ContrastivePretrainer(DeclaredConstants):
     """Pre-train ``encoder`` on the positive pairs ``pairs`` with ``method`` in ``METHODS``.
 
     ``clip_norm`` is ``B`` (per pair gradient, Logit-DP) or ``C`` (whole batch gradient, Naive-DP).
@@ -173,6 +174,11 @@ class ContrastivePretrainer:
     :func:`~clipless.contrastive.logit_dp.pair_gradient_norms`).  ``log_train_stats`` adds the fraction of
     clipped pair gradients of the training batches (no noise: labelled ``nonprivate_clipped_fraction``).
     """
+
+    # What its clipping, noise, accounting and privacy label rest on: set once, then read-only; each step also
+    # checks them against their values at construction.
+    constants = ("method", "loss", "tau", "clip_norm", "batch_size", "delta", "noise_seed", "sample_rate", "accountant",
+                 "plan", "sigma", "sensitivity", "loader", "noise_generator")
 
     def __init__(
         self,
@@ -223,25 +229,25 @@ class ContrastivePretrainer:
         self.planned_steps = planned_steps(epochs, self.steps_per_epoch)
         self.epochs = self.planned_steps // self.steps_per_epoch
         logit_dp_sensitivity(1.0, self.tau, loss)  # validates (loss, tau) before any calibration
-        self.accountant: Optional[PrivacyAccountant] = None
-        self.plan = None
-        self.sigma: Optional[float] = None
-        self.sensitivity: Optional[float] = None
+        accounting: Optional[PrivacyAccountant] = None
+        plan: Optional[NoisePlan] = None
+        sensitivity: Optional[float] = None
         if method != "nonprivate":
             _check_no_running_statistics(encoder)
             if delta is None:
                 raise ValueError("a private method needs delta")
             check_delta(delta, n)
-            self.accountant = PrivacyAccountant(accountant)
-            bind_accountant(encoder, self.accountant)
+            accounting = PrivacyAccountant(accountant)
+            bind_accountant(encoder, accounting)
             # One Gaussian mechanism per step (the whole clipped gradient), planned like every other run.
-            self.plan = plan_noise(None, sample_rate=self.sample_rate, accountant=accountant,
-                                   noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
-                                   steps=self.planned_steps)
-            self.sigma = self.plan.step_sigma
+            plan = plan_noise(None, sample_rate=self.sample_rate, accountant=accountant,
+                              noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
+                              steps=self.planned_steps)
             # Poisson batches have a random, private size: the sensitivity must hold for every n.
-            self.sensitivity = (logit_dp_sensitivity(self.clip_norm, self.tau, loss) if method == "logit_dp"
-                                else naive_dp_sensitivity(self.clip_norm))
+            sensitivity = (logit_dp_sensitivity(self.clip_norm, self.tau, loss) if method == "logit_dp"
+                           else naive_dp_sensitivity(self.clip_norm))
+        self.accountant, self.plan, self.sensitivity = accounting, plan, sensitivity
+        self.sigma: Optional[float] = None if plan is None else plan.step_sigma
         self.loader = poisson_data_loader(pairs, self.sample_rate, generator=make_generator(noise_seed, stream=1))
         # The noise is drawn where the gradients are (a CUDA encoder: a secret CUDA generator); batches follow.
         self.device = next((p.device for p in encoder.parameters()), torch.device("cpu"))
@@ -250,6 +256,7 @@ class ContrastivePretrainer:
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
         self._wall = 0.0
+        self._frozen = self._settings()
         # the encoder and the optimizer's state as given, then as each private step released them: nothing else
         # may change them
         self._released = None if self.accountant is None else snapshot_state(encoder.state_dict())
@@ -304,7 +311,19 @@ class ContrastivePretrainer:
                              "was put back. Set the encoder's weights before creating the pre-trainer (a resume: "
                              "load_checkpoint), and change them only through fit()")
 
+    def _settings(self) -> Tuple[Any, ...]:
+        """What each step's clipping, noise and accounting use, as values and identities."""
+        plan = self.plan
+        return (self.method, self.loss, self.tau, self.clip_norm, self.batch_size, self.delta, self.noise_seed,
+                self.sample_rate, self.sigma, self.sensitivity, id(self.accountant), id(plan), id(self.loader),
+                id(self.noise_generator), None if plan is None else (plan.step_sigma, plan.sample_rate, plan.max_steps))
+
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
+        if self._settings() != self._frozen:  # a write to the instance's __dict__ passes the read-only guard
+            raise ValueError("the pre-trainer's privacy settings (method, loss, tau, clip norm, noise multiplier, "
+                             "sensitivity, sampling, accountant or noise generator) changed after it was built: a step "
+                             "would clip, noise or account otherwise than its epsilon says; build a new pre-trainer "
+                             "for other settings")
         self.encoder.train()
         before = self._released
         self._check_optimizer()
