@@ -142,6 +142,18 @@ def test_a_checkpoint_of_the_other_trainer_is_refused_by_its_kind(tmp_path):
             main([*command, "--output-dir", str(tmp_path / "pre")])
 
 
+def test_the_trainers_epsilon_and_label_settings_are_read_only():
+    """``trainer.delta = 0.5`` made ``fit()`` report epsilon 0 for the same noise, and ``trainer.noise_seed =
+    None`` labelled a seeded run "os-entropy": each is now refused."""
+    trainer = digits_trainer(epochs=1)
+    for name, value in [("delta", 0.5), ("noise_seed", None), ("target_epsilon", 100.0), ("sample_rate", 1e-9),
+                        ("strategy", "per_layer")]:
+        with pytest.raises(AttributeError, match=f"PrivateTrainer.{name} is a declared constant"):
+            setattr(trainer, name, value)
+    result = trainer.fit()
+    assert result.delta == 1e-5 and result.randomness == "fixed-seed" and 2.9 < result.epsilon <= 3.0
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     straight = digits_trainer(epochs=4)
     straight.fit()

@@ -23,7 +23,7 @@ from ..data.augment import ImageAugmentation
 from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
-from ..privacy.modules import LipschitzLoss, project_all_
+from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
@@ -63,7 +63,7 @@ class TrainResult:
         return asdict(self)
 
 
-class PrivateTrainer:
+class PrivateTrainer(DeclaredConstants):
     """Train ``model`` with clipless DP-SGD on ``train_data`` under (``target_epsilon``, ``delta``).
 
     Give ``target_epsilon`` (sigma is calibrated for ``epochs``), or
@@ -78,6 +78,10 @@ class PrivateTrainer:
     ``tightness_monitor`` checks true per-example gradients against the bounds
     during training and stops with :class:`~clipless.BoundError` if one exceeds them.
     """
+
+    # What its epsilon and its privacy label are computed from: set once (a changed delta would report another
+    # epsilon, a changed noise_seed another label, than the run's noise and batches have).
+    constants = ("delta", "target_epsilon", "noise_seed", "sample_rate", "strategy")
 
     def __init__(
         self,
