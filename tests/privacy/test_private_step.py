@@ -280,3 +280,30 @@ def test_a_secret_generator_refuses_to_be_reseeded():
             with pytest.raises(RuntimeError, match="on a secret generator"):
                 reseed(generator)
     make_generator(0, stream=2).manual_seed(1)
+
+
+def test_the_bounds_input_check_sampling_and_accountant_are_read_only():
+    """``opt.bound_engine.input_bound = 0.5`` halved every certified bound, and the noise, while the input guard
+    still accepted inputs of norm 1: the step ran at the reported epsilon with half the sensitivity it needed.
+    ``engine.guard.data_bound = None`` switched the input check off, ``loader.batch_sampler.threshold`` set the
+    inclusion rate the accountant composes, and ``engine.accountant = PrivacyAccountant()`` reported epsilon 0.
+    Each is refused; the bound engine's input bound is also checked by every step."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 6)
+    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (32,))
+    model = torch.nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    loss, engine = cl.TauCrossEntropy(2.0), cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
+        noise_multiplier=1.0, input_shape=(6,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    for owner, name, value in [(opt.bound_engine, "input_bound", 0.5), (engine.guard, "data_bound", None),
+                               (loader.batch_sampler, "threshold", 2**53), (loader.batch_sampler, "sample_rate", 0.9),
+                               (loader.batch_sampler, "generator", torch.Generator()),
+                               (engine, "accountant", cl.PrivacyAccountant("rdp"))]:
+        with pytest.raises(AttributeError, match=f"{type(owner).__name__}.{name} is a declared constant"):
+            setattr(owner, name, value)
+    opt.bound_engine.__dict__["input_bound"] = 0.5  # past the guard: the step still refuses
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    with pytest.raises(cl.BoundError, match="changed after make_private"):
+        opt.step()
+    assert engine.accountant.steps == 0

@@ -312,11 +312,12 @@ class ContrastivePretrainer(DeclaredConstants):
                              "load_checkpoint), and change them only through fit()")
 
     def _settings(self) -> Tuple[Any, ...]:
-        """What each step's clipping, noise and accounting use, as values and identities."""
+        """What each step's clipping, noise and accounting use, as values and objects (compared by identity: a deep
+        copy of the pre-trainer copies them with the snapshot)."""
         plan = self.plan
         return (self.method, self.loss, self.tau, self.clip_norm, self.batch_size, self.delta, self.noise_seed,
-                self.sample_rate, self.sigma, self.sensitivity, id(self.accountant), id(plan), id(self.loader),
-                id(self.noise_generator), None if plan is None else (plan.step_sigma, plan.sample_rate, plan.max_steps))
+                self.sample_rate, self.sigma, self.sensitivity, self.accountant, plan, self.loader,
+                self.noise_generator)
 
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
         if self._settings() != self._frozen:  # a write to the instance's __dict__ passes the read-only guard

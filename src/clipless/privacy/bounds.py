@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .certified import BoundError
+from .certified import BoundError, DeclaredConstants
 from .input_guard import global_hooks_registered, module_hooks, replaced_forward
 from .modules import BoundedModule, LayerBound, PerStepMechanism, Residual
 
@@ -157,7 +157,7 @@ def check_input_shape(input_shape: Any) -> Tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
-class BoundEngine:
+class BoundEngine(DeclaredConstants):
     """Backpropagation for bounds over a model (spec §2).
 
     Construction validates the model once: every leaf must declare bounds,
@@ -165,6 +165,9 @@ class BoundEngine:
     :meth:`compute` then gives certified per-layer bounds for the current
     weights; call it at every step (weights change).
     """
+
+    # the input bound and the loss the bounds start from: a smaller input_bound set later would shrink every bound
+    constants = ("model", "input_shape", "input_bound", "loss")
 
     def __init__(
         self,

@@ -25,6 +25,23 @@ class BoundError(ValueError):
     """A model, loss or input for which no sound privacy bound can be given."""
 
 
+class DeclaredConstants:
+    """Attributes listed in ``constants`` are set once, in ``__init__``, then read-only.
+
+    The bounds trust them (an input clip's radius, a loss's temperature, a count's noise multiplier):
+    changing one after the bounds or the noise plan were computed would silently void them.
+    """
+
+    constants: Tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in type(self).constants and name in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is a declared constant of the privacy analysis; "
+                f"build a new {type(self).__name__} instead of changing it")
+        super().__setattr__(name, value)
+
+
 def certified_spectral_norm(matrix: torch.Tensor, shortcut: bool = True) -> float:
     """Certified upper bound on ``||matrix||_2`` (largest singular value).
 

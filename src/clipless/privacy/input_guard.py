@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .certified import BoundError, ieee_convolutions, ieee_matmul
+from .certified import BoundError, DeclaredConstants, ieee_convolutions, ieee_matmul
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
@@ -285,7 +285,7 @@ def _compile_refusal() -> None:
 INPUT_BOUND_TOLERANCE = 1e-6
 
 
-class InputGuard(_Guard):
+class InputGuard(DeclaredConstants, _Guard):
     """Forward pre-hook that refuses inputs the privacy analysis does not cover.
 
     Wrong per-example shape or NaN/inf values always raise.  A norm above the declared data bound (by more
@@ -294,6 +294,9 @@ class InputGuard(_Guard):
     forward with gradients can still be backpropagated and released).  Only no-grad evaluation in ``eval()``
     mode is left unchecked.
     """
+
+    # the bound every batch is checked against (None would switch the check off)
+    constants = ("input_shape", "data_bound")
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int], data_bound: Optional[float]) -> None:
         self.input_shape = tuple(input_shape)

@@ -14,12 +14,12 @@ import functools
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterator, List, Mapping, Optional, Tuple
+from typing import Collection, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .certified import BoundError
+from .certified import BoundError, DeclaredConstants
 from .input_guard import tap_loss
 
 __all__ = ["LayerBound", "DeclaredConstants", "BoundedModule", "project_all_", "InputClip", "Residual", "PerStepMechanism",
@@ -45,23 +45,6 @@ class LayerBound:
     def backward(self, g_out: float) -> float:
         """Bound on the gradient norm w.r.t. the layer input."""
         return self.lipschitz * min(g_out, self.grad_cap)
-
-
-class DeclaredConstants:
-    """Attributes listed in ``constants`` are set once, in ``__init__``, then read-only.
-
-    The bounds trust them (an input clip's radius, a loss's temperature, a count's noise multiplier):
-    changing one after the bounds or the noise plan were computed would silently void them.
-    """
-
-    constants: Tuple[str, ...] = ()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in type(self).constants and name in self.__dict__:
-            raise AttributeError(
-                f"{type(self).__name__}.{name} is a declared constant of the privacy analysis; "
-                f"build a new {type(self).__name__} instead of changing it")
-        super().__setattr__(name, value)
 
 
 class BoundedModule(DeclaredConstants, nn.Module):

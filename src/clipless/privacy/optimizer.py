@@ -160,12 +160,12 @@ class DPOptimizer(DeclaredConstants):
         _LATEST[bound_engine.model] = weakref.ref(self)
 
     def _settings(self) -> Tuple[Any, ...]:
-        """What each step's noise and accounting use, as values (the plan's numbers) and identities."""
+        """What each step's noise and accounting use: values, and objects compared by identity (those without a
+        value equality; a deep copy of the optimizer copies them with the snapshot).  The plan compares by value."""
         plan = self.plan
-        return (id(plan), plan.strategy, tuple(sorted(plan.layer_sigmas.items())), plan.gradient_sigma,
-                plan.mechanism_sigmas, plan.step_sigma, plan.sample_rate, plan.accountant, plan.max_steps,
-                id(self.accountant), id(self.generator), id(self.original_optimizer), id(self.bound_engine),
-                self.expected_batch_size, self.sample_rate, tuple(id(m) for m in self.step_mechanisms),
+        return (plan, tuple(sorted(plan.layer_sigmas.items())), self.accountant, self.generator,
+                self.original_optimizer, self.bound_engine, self.bound_engine.input_bound, self.bound_engine.loss,
+                self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),
                 tuple(clip.count_noise_multiplier for clip in self.step_mechanisms))
 
     def audit_replace_plan_(self, plan: NoisePlan) -> None:

@@ -17,7 +17,7 @@ from .calibration import plan_noise, planned_steps
 from .certified import BoundError
 from .distributed import DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks, world
 from .input_guard import INPUT_BOUND_TOLERANCE, InputGuard
-from .modules import InputClip, LipschitzLoss, step_mechanisms
+from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
 from .sampling import dataset_size, expected_batch_size, poisson_data_loader, poisson_threshold
 
@@ -69,12 +69,15 @@ def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -
     return data, expected_batch_size(batch_size, dataset_size(data))
 
 
-class PrivacyEngine:
+class PrivacyEngine(DeclaredConstants):
     """Holds the accountant; turns (model, optimizer, data) into a clipless private training setup.
 
     Noise and Poisson batches are drawn from OS entropy unless generators are passed (a fixed-seed
     generator makes the run non-private against anyone who knows the seed).
     """
+
+    # the accountant that composes every step of its models (a fresh one would report their epsilon as 0)
+    constants = ("accountant",)
 
     def __init__(self, accountant: str = "pld") -> None:
         self.accountant = PrivacyAccountant(accountant)

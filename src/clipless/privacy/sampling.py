@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from .input_guard import batch_row_digests
+from .certified import DeclaredConstants
 from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
@@ -70,7 +71,7 @@ def poisson_mask(num_samples: int, threshold: int, generator: torch.Generator) -
     return draws < threshold
 
 
-class PoissonBatchSampler(Sampler[List[int]]):
+class PoissonBatchSampler(DeclaredConstants, Sampler[List[int]]):
     """Yields ``steps_per_epoch`` batches; each holds every index independently with probability ``sample_rate``.
 
     Batches have random size and may be empty: this is the sampling the
@@ -78,6 +79,9 @@ class PoissonBatchSampler(Sampler[List[int]]):
     ``round(1/q)`` by default (one expected pass over the data).  Without a
     ``generator`` the batches are drawn from OS entropy (:func:`~clipless.privacy.randomness.secret_generator`).
     """
+
+    # the inclusion rate the accountant composes and the secret stream it is drawn from
+    constants = ("threshold", "num_samples", "sample_rate", "generator")
 
     def __init__(
         self,
