@@ -165,8 +165,7 @@ class DPOptimizer(DeclaredConstants):
         plan = self.plan
         return (plan, tuple(sorted(plan.layer_sigmas.items())), self.accountant, self.generator,
                 self.original_optimizer, self.bound_engine, self.bound_engine.input_bound, self.bound_engine.loss,
-                self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),
-                tuple(clip.count_noise_multiplier for clip in self.step_mechanisms))
+                self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms))  # counts: _planned_counts
 
     def audit_replace_plan_(self, plan: NoisePlan) -> None:
         """A deliberate bug for empirical audits only (``clipless audit --noise-scale``): from now on draw the noise
