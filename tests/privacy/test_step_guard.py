@@ -130,6 +130,23 @@ def test_each_step_must_release_exactly_one_new_batch_of_the_loader(slip):
         assert "empty batches included" in message
 
 
+def test_the_loaders_count_of_drawn_batches_cannot_be_set():
+    """``loader.batches_drawn += 1`` before each step let one batch be released by any number of steps, which the
+    accountant composed as fresh Poisson samples (three steps on one batch ran).  The count, and the drawn batch's
+    rows and digests that the step checks, are read-only."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    opt.step()
+    for name, value in (("batches_drawn", loader.batches_drawn + 1), ("last_batch_rows", 0),
+                        ("last_batch_digests", [])):
+        with pytest.raises(AttributeError, match="no setter"):
+            setattr(loader, name, value)
+    opt.zero_grad()
+    loss.per_example(model(bx), by).sum().backward()
+    _refused(opt, engine, "no new batch was drawn from the private loader")
+
+
 @pytest.mark.parametrize("source", ["shuffled_dataloader", "hand_built"])
 def test_a_batch_not_drawn_from_the_private_loader_is_refused(source):
     """A user's own ``DataLoader(data, batch_size=16, shuffle=True)`` samples without replacement at a fixed

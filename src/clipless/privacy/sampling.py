@@ -178,18 +178,34 @@ class PoissonDataLoader(DataLoader):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.batches_drawn = 0
-        self.last_batch_rows: Optional[int] = None  # records in the batch handed out last (None: not a tensor batch)
-        # (per-row shape, row_digests) of each tensor of that batch: the private step checks that no record
-        # entered its forwards in more rows than the batch holds it
-        self.last_batch_digests: List[Tuple[Tuple[int, ...], torch.Tensor]] = []
+        self._batches_drawn = 0
+        self._last_batch_rows: Optional[int] = None
+        self._last_batch_digests: List[Tuple[Tuple[int, ...], torch.Tensor]] = []
+
+    # Read-only: a count set by hand would let one batch be released by two steps, which the accountant composes
+    # as two fresh Poisson samples.
+    @property
+    def batches_drawn(self) -> int:
+        """Batches handed out so far."""
+        return self._batches_drawn
+
+    @property
+    def last_batch_rows(self) -> Optional[int]:
+        """Records in the batch handed out last (None: not a tensor batch)."""
+        return self._last_batch_rows
+
+    @property
+    def last_batch_digests(self) -> List[Tuple[Tuple[int, ...], torch.Tensor]]:
+        """(per-row shape, row digests) of each tensor of that batch: the private step checks that no record
+        entered its forwards in more rows than the batch holds it."""
+        return self._last_batch_digests
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for batch in super().__iter__():
             # counted when handed to the caller, not when the sampler runs (workers prefetch ahead)
-            self.batches_drawn += 1
-            self.last_batch_rows = _rows(batch)
-            self.last_batch_digests = batch_row_digests(batch)
+            self._batches_drawn += 1
+            self._last_batch_rows = _rows(batch)
+            self._last_batch_digests = batch_row_digests(batch)
             yield batch
 
 
