@@ -321,3 +321,14 @@ def test_the_accountants_entry_points_refuse_values_of_the_wrong_kind(call) -> N
            "sigma_inf": lambda: cl.PrivacyAccountant("rdp").step(float("inf"), 0.1)}[call]
     with pytest.raises(ValueError, match="must be"):
         run()
+
+
+def test_the_accountants_mechanism_is_read_only():
+    """``accountant.mechanism = "pld"`` on an RDP run's accountant was accepted: its epsilon changed (2.41 to 1.92
+    here) under a budget planned with RDP, and a resume's check of the accountant compared the new name."""
+    accountant = cl.PrivacyAccountant("rdp")
+    accountant.step(1.0, 0.1, steps=2)
+    before = accountant.get_epsilon(1e-5)
+    with pytest.raises(AttributeError, match="PrivacyAccountant.mechanism is a declared constant"):
+        accountant.mechanism = "pld"
+    assert accountant.mechanism == "rdp" and accountant.get_epsilon(1e-5) == before

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import dp_accounting
 from dp_accounting import pld, rdp
 
+from .certified import DeclaredConstants
+
 __all__ = [
     "bind_accountant",
     "check_nothing_released",
@@ -199,12 +201,14 @@ def _quiet_excluded_orders(record: logging.LogRecord) -> bool:
     return "failed to converge" not in record.getMessage()
 
 
-class PrivacyAccountant:
+class PrivacyAccountant(DeclaredConstants):
     """Composes Poisson-subsampled Gaussian steps; ``get_epsilon(delta)`` like Opacus.
 
     ``history`` is a list of ``(noise_multiplier, sample_rate, steps)``;
     consecutive identical steps are merged, so PLD composition stays fast.
     """
+
+    constants = ("mechanism",)  # the run's budget was planned with it (a resume checks it)
 
     def __init__(self, mechanism: str = "pld") -> None:
         _new_accountant(mechanism)  # validates the name
