@@ -270,7 +270,9 @@ class PrivacyAccountant(DeclaredConstants):
         loaded = PrivacyAccountant(state["mechanism"])
         for s, q, n in state["history"]:  # validated like live steps: a stored history is an untrusted claim
             loaded.step(float(s), float(q), n)
-        self.mechanism, self._history = loaded.mechanism, loaded._history  # all or nothing
+        # all or nothing; an accountant that has composed nothing takes the saved state's mechanism (the one
+        # place it may change: the budget is then planned and spent with that one)
+        self.__dict__["mechanism"], self._history = loaded.mechanism, loaded._history
 
 
 def compute_epsilon(
