@@ -1747,5 +1747,11 @@ def test_the_pretrainers_privacy_settings_are_read_only_and_checked_every_step()
         assert all(torch.equal(v, weights[k]) for k, v in t.encoder.state_dict().items())
         assert t.accountant.steps == 0
         t.__dict__[name] = frozen
+    step_sigma = t.plan.step_sigma  # a field of the frozen plan written in place: the accountant would compose 1e9
+    object.__setattr__(t.plan, "step_sigma", 1e9)
+    with pytest.raises(ValueError, match="privacy settings .* changed after it was built"):
+        t._step(xa, xb)
+    assert t.accountant.steps == 0
+    object.__setattr__(t.plan, "step_sigma", step_sigma)
     t._step(xa, xb)  # as built, it steps
     assert t.accountant.steps == 1

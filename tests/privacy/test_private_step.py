@@ -264,6 +264,14 @@ def test_the_optimizers_noise_settings_are_read_only_and_checked_every_step():
         assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights)) and engine.accountant.steps == 0
         opt.__dict__[name] = frozen
         opt.zero_grad()
+    plan, step_sigma = opt.plan, opt.plan.step_sigma  # a field written in place: the accountant would compose 1e9
+    object.__setattr__(plan, "step_sigma", 1e9)
+    loss.per_example(model(x), y).sum().backward()
+    with pytest.raises(cl.BoundError, match="changed after make_private"):
+        opt.step()
+    assert engine.accountant.steps == 0
+    object.__setattr__(plan, "step_sigma", step_sigma)
+    opt.zero_grad()
     loss.per_example(model(x), y).sum().backward()
     opt.step()  # as built, it steps
     assert engine.accountant.steps == 1

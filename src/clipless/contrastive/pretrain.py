@@ -314,10 +314,9 @@ class ContrastivePretrainer(DeclaredConstants):
     def _settings(self) -> Tuple[Any, ...]:
         """What each step's clipping, noise and accounting use, as values and objects (compared by identity: a deep
         copy of the pre-trainer copies them with the snapshot)."""
-        plan = self.plan
         return (self.method, self.loss, self.tau, self.clip_norm, self.batch_size, self.delta, self.noise_seed,
-                self.sample_rate, self.sigma, self.sensitivity, self.accountant, plan, self.loader,
-                self.noise_generator)
+                self.sample_rate, self.sigma, self.sensitivity, self.accountant, self.loader, self.noise_generator,
+                None if self.plan is None else self.plan.values())
 
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
         if self._settings() != self._frozen:  # a write to the instance's __dict__ passes the read-only guard

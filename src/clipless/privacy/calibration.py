@@ -68,6 +68,12 @@ class NoisePlan:
         values = (getattr(self, f.name) for f in fields(self))
         return (NoisePlan, tuple(dict(v) if isinstance(v, types.MappingProxyType) else v for v in values))
 
+    def values(self) -> Tuple[Any, ...]:
+        """Every field's value (the per-layer multipliers as sorted pairs): what a run checks at each step, so that
+        a field written in place past the frozen dataclass (``object.__setattr__``) is seen too."""
+        return tuple(tuple(sorted(v.items())) if isinstance(v, Mapping) else v
+                     for v in (getattr(self, f.name) for f in fields(self)))
+
     def check_budget(self, steps_taken: int) -> None:
         """Refuse a step past the budget (every private step of the library calls this before releasing noise)."""
         if self.max_steps is not None and steps_taken >= self.max_steps:

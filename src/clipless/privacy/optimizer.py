@@ -160,10 +160,9 @@ class DPOptimizer(DeclaredConstants):
         _LATEST[bound_engine.model] = weakref.ref(self)
 
     def _settings(self) -> Tuple[Any, ...]:
-        """What each step's noise and accounting use: values, and objects compared by identity (those without a
-        value equality; a deep copy of the optimizer copies them with the snapshot).  The plan compares by value."""
-        plan = self.plan
-        return (plan, tuple(sorted(plan.layer_sigmas.items())), self.accountant, self.generator,
+        """What each step's noise and accounting use: the plan's values, and objects compared by identity (a deep
+        copy of the optimizer copies them with the snapshot)."""
+        return (self.plan.values(), self.accountant, self.generator,
                 self.original_optimizer, self.bound_engine, self.bound_engine.input_bound, self.bound_engine.loss,
                 self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms))  # counts: _planned_counts
 
