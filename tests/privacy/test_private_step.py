@@ -232,7 +232,7 @@ def test_a_per_step_mechanism_changed_past_its_read_only_guard_is_refused(how):
     else:
         object.__setattr__(clip, how, lambda *args, **kwargs: None)
     loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    match = "count_noise_multiplier changed after make_private" if how in ("dict", "object_setattr") else \
+    match = "its declared constant count_noise_multiplier changed" if how in ("dict", "object_setattr") else \
         f"has its own {how}"
     with pytest.raises(cl.BoundError, match=match):
         opt.step()
@@ -310,8 +310,91 @@ def test_the_bounds_input_check_sampling_and_accountant_are_read_only():
                                (engine, "accountant", cl.PrivacyAccountant("rdp"))]:
         with pytest.raises(AttributeError, match=f"{type(owner).__name__}.{name} is a declared constant"):
             setattr(owner, name, value)
+    frozen = opt.bound_engine.input_bound
     opt.bound_engine.__dict__["input_bound"] = 0.5  # past the guard: the step still refuses
     loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    with pytest.raises(cl.BoundError, match="changed after make_private"):
+    with pytest.raises(cl.BoundError, match="input_bound changed from"):
         opt.step()
     assert engine.accountant.steps == 0
+    opt.bound_engine.__dict__["input_bound"] = frozen
+    opt.zero_grad()
+    # the input guard's bound and the sampler's rate written past their guards: each step compares them too
+    for owner, name, value in [(engine.guard, "data_bound", None), (loader.batch_sampler, "threshold", 2**53),
+                               (loader.batch_sampler, "sample_rate", 0.9)]:
+        frozen = owner.__dict__[name]
+        owner.__dict__[name] = value
+        loss.per_example(model(x[:16]), y[:16]).sum().backward()
+        with pytest.raises(cl.BoundError, match="the loader's sampler or the input guard's bound changed"):
+            opt.step()
+        assert engine.accountant.steps == 0
+        owner.__dict__[name] = frozen
+        opt.zero_grad()
+    with pytest.raises(cl.BoundError, match="changed after make_private"):  # nor can a new snapshot hide one
+        loader.batch_sampler.__dict__["threshold"] = 2**53
+        opt.watch_batches(loader, external_batches=True, input_guard=engine.guard)
+    loader.batch_sampler.__dict__["threshold"] = cl.privacy.sampling.poisson_threshold(0.5)
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    opt.step()  # restored, it steps
+    assert engine.accountant.steps == 1
+
+
+def test_an_input_clips_radius_written_into_its_dict_is_refused():
+    """``model[0].__dict__["max_norm"] = 1.3`` on an ``InputNormClip(1.0)`` got past the read-only guard: the
+    forward let inputs of norm 1.3 through while the bounds still started from 1, and the step released a batch
+    whose true per-example gradient (1.79, autograd, one example at a time) exceeded its certified bound (1.41).
+    The bound engine now compares every declared constant of the model and the loss with its value at
+    ``make_private`` whenever it computes bounds."""
+    torch.manual_seed(0)
+    x, y = torch.rand(64, 16) * 4, torch.randint(0, 3, (64,))
+    model = torch.nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(16, 3, bias=False))
+    loss, engine = cl.TauCrossEntropy(8.0), cl.PrivacyEngine("rdp")
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
+        noise_multiplier=1.0, input_shape=(16,), batch_size=16.0, external_batches=True)
+    model[0].__dict__["max_norm"] = 1.3
+    weights = [p.detach().clone() for p in model.parameters()]
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    with pytest.raises(cl.BoundError, match=r"module '0' \(InputNormClip\): its declared constant max_norm changed "
+                                            r"from 1.0 to 1.3"):
+        opt.step()
+    assert engine.accountant.steps == 0 and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    model[0].__dict__["max_norm"] = 1.0
+    opt.zero_grad()
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
+def _declared_owners(*roots):
+    return [(m, name) for root in roots for m in root.modules()
+            if isinstance(m, cl.privacy.certified.DeclaredConstants) for name in type(m).constants]
+
+
+@pytest.mark.parametrize("build", ["cnn", "orthogonal_resnet", "mlp_adaptive", "hkr"])
+def test_every_declared_constant_of_the_layers_and_the_loss_is_checked_by_the_bounds(build):
+    """Each declared constant of each layer and loss, written into the instance's ``__dict__``, makes the bound
+    engine refuse to compute bounds (naming the module and the constant); put back, it computes them again."""
+    shape = (1, 8, 8)
+    if build == "cnn":
+        model, loss = cl.lipschitz_cnn(shape, 4, channels=(4,), input_clip=8.0), cl.TauCrossEntropy(4.0)
+    elif build == "orthogonal_resnet":
+        model = cl.lipschitz_resnet(shape, 4, channels=(4,), input_clip=8.0, conv="orthogonal")
+        loss = cl.CrossEntropyWithTemperature(0.5)
+    elif build == "mlp_adaptive":
+        model = torch.nn.Sequential(cl.InputNormClip(2.0), torch.nn.Flatten(), cl.LipschitzLinear(64, 8),
+                                    cl.GroupSort(4), cl.LipschitzLinear(8, 4), cl.AdaptiveLossGradientClip(1.0, 5.0))
+        loss = cl.MulticlassKR(4)
+    else:
+        model, loss = cl.lipschitz_mlp(shape, 4, hidden=(8,), input_clip=2.0), cl.MulticlassHKR(4, margin=0.5)
+    engine = cl.BoundEngine(model, shape, 8.0, loss)
+    owners = _declared_owners(model, loss)
+    assert len({type(m) for m, _ in owners}) >= 3
+    for module, name in owners:
+        frozen = module.__dict__[name]
+        module.__dict__[name] = object()  # differs from any value
+        with pytest.raises(cl.BoundError, match=f"its declared constant {name} changed"):
+            engine.compute()
+        with pytest.raises(cl.BoundError, match=f"its declared constant {name} changed"):
+            engine.lipschitz_constant()
+        module.__dict__[name] = frozen
+    engine.compute()

@@ -198,6 +198,7 @@ class BoundEngine(DeclaredConstants):
         check = getattr(self.loss, "check_output_shape", None)
         if check is not None:
             check(self.output_shape)
+        self._declared = self._declared_constants()
 
     @property
     def leaves(self) -> Tuple[nn.Module, ...]:
@@ -290,6 +291,33 @@ class BoundEngine(DeclaredConstants):
             raise BoundError("the model's layers changed after its bounds were set up (a layer added, removed, "
                              "replaced or moved): the new layers carry no certified bound; call make_private again "
                              "on the same PrivacyEngine")
+
+    def _declared_constants(self) -> Tuple[Tuple[str, str, str, Any], ...]:
+        """Every declared constant of this engine, the model's modules and the loss, read through the instances."""
+        owners: List[Tuple[str, Any]] = [("the bound engine", self)]
+        owners += [(f"module '{self._names.get(id(m), '?') or '<model>'}'", m) for m in self.model.modules()]
+        if isinstance(self.loss, nn.Module):
+            owners += [(f"the loss's module '{n}'" if n else "the loss", m) for n, m in self.loss.named_modules()]
+        elif self.loss is not None:
+            owners.append(("the loss", self.loss))
+        return tuple((owner, type(obj).__name__, name, value) for owner, obj in owners
+                     if isinstance(obj, DeclaredConstants) for name, value in obj.declared_values())
+
+    def _check_declared(self) -> None:
+        """The declared constants the bounds were set up with are still the ones the forward reads.  The
+        read-only guard refuses ``layer.stride = 1``; a write into the instance's ``__dict__`` gets past it and
+        would leave a cached bound (a conv's norm, kept for unchanged weights) describing another layer."""
+        current = self._declared_constants()
+        if current == self._declared:
+            return
+        for before, now in zip(self._declared, current):
+            if before != now:
+                owner, cls, name, value = before
+                raise BoundError(f"{owner} ({cls}): its declared constant {name} changed from {value!r} to "
+                                 f"{now[3]!r} after the bounds were set up (written past its read-only guard): the "
+                                 f"bounds and noise plan describe the old value; build a new {cls} and make the "
+                                 "model private again")
+        raise BoundError("the model's or the loss's declared constants changed after the bounds were set up")
 
     def _check_parameters_covered(self) -> None:
         residual = Residual
@@ -399,6 +427,7 @@ class BoundEngine(DeclaredConstants):
         """Certified per-layer per-example gradient bounds for the current weights."""
         self._check_known_forwards()  # hooks added after construction would change the analysed function
         self._check_same_layers()
+        self._check_declared()
         self._cache: Dict[Tuple[int, float], LayerBound] = {}
         layers: List[LayerSensitivity] = []
         output_bound = self._out_bound(self.model, self.input_bound)
@@ -426,6 +455,7 @@ class BoundEngine(DeclaredConstants):
 
     def lipschitz_constant(self) -> float:
         """Certified Lipschitz constant of the whole model (input -> logits), product rule."""
+        self._check_declared()
         self._cache = {}
         return self._lipschitz(self.model, self.input_bound)
 

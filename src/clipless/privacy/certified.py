@@ -41,6 +41,11 @@ class DeclaredConstants:
                 f"build a new {type(self).__name__} instead of changing it")
         super().__setattr__(name, value)
 
+    def declared_values(self) -> Tuple[Tuple[str, Any], ...]:
+        """``(name, value)`` of every declared constant, as read now: a value written into the instance's
+        ``__dict__`` passes the read-only guard, so whoever relies on them compares this with a snapshot."""
+        return tuple((name, getattr(self, name, None)) for name in type(self).constants)
+
 
 def certified_spectral_norm(matrix: torch.Tensor, shortcut: bool = True) -> float:
     """Certified upper bound on ``||matrix||_2`` (largest singular value).

@@ -128,7 +128,6 @@ class DPOptimizer(DeclaredConstants):
         # Adaptive clipping releases a noisy count per step on the same batch: one more Gaussian mechanism.
         self.step_mechanisms = step_mechanisms(bound_engine.model)
         counts = tuple(clip.count_noise_multiplier for clip in self.step_mechanisms)
-        self._planned_counts = counts  # what the accountant composes at every step: checked at every step
         if tuple(sorted(counts)) != tuple(sorted(plan.mechanism_sigmas)):
             raise ValueError(f"the noise plan accounts per-step mechanisms {list(plan.mechanism_sigmas)} but the "
                              f"model releases counts with multipliers {list(counts)}")
@@ -147,6 +146,7 @@ class DPOptimizer(DeclaredConstants):
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
+        self._watched: Tuple[Any, ...] = ()  # the sampler and input guard: their declared constants, every step
         self._steps_released = 0  # by this optimizer, in this process
         self._retire_earlier(bound_engine.model)
         self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
@@ -164,7 +164,9 @@ class DPOptimizer(DeclaredConstants):
         copy of the optimizer copies them with the snapshot)."""
         return (self.plan.values(), self.accountant, self.generator,
                 self.original_optimizer, self.bound_engine, self.bound_engine.input_bound, self.bound_engine.loss,
-                self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms))  # counts: _planned_counts
+                self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),  # their counts: the bounds
+                tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None)
+                      for obj in self._watched))
 
     def audit_replace_plan_(self, plan: NoisePlan) -> None:
         """A deliberate bug for empirical audits only (``clipless audit --noise-scale``): from now on draw the noise
@@ -214,7 +216,16 @@ class DPOptimizer(DeclaredConstants):
                                      "call make_private again on the same PrivacyEngine (its accountant goes on "
                                      "composing)")
 
-    def watch_batches(self, loader: PoissonDataLoader, external_batches: bool = False) -> None:
+    def _check_settings(self) -> None:
+        if self._settings() != self._frozen:
+            raise BoundError("the private optimizer's noise plan, accountant, noise generator, inner optimizer, "
+                             "batch size, the loader's sampler or the input guard's bound changed after make_private "
+                             "(written past their read-only guard): the step "
+                             "would draw or account other noise than the run reports; make the model private again "
+                             "for other settings")
+
+    def watch_batches(self, loader: PoissonDataLoader, external_batches: bool = False,
+                      input_guard: Optional[DeclaredConstants] = None) -> None:
         """Each step must then release exactly one new batch of ``loader``.
 
         The accountant composes one Poisson-subsampled Gaussian per step.  Two steps on one batch are not two
@@ -223,11 +234,15 @@ class DPOptimizer(DeclaredConstants):
         loop has drawn anything from ``loader`` is refused too: its batch came from elsewhere (a shuffled,
         fixed-size ``DataLoader`` is not Poisson sampling), unless ``external_batches`` says the caller draws
         Poisson batches at the same rate itself; those, and rows mixing several examples, cannot be checked.
-        A refused step spends the batches drawn before it."""
+        A refused step spends the batches drawn before it.  The loader's batch sampler (its inclusion rate) and
+        ``input_guard`` (the data bound it checks) are compared with their values now at every step."""
         self._batches = loader
         self._batches_released = loader.batches_drawn
         self._external_batches = bool(external_batches)
+        self._check_settings()  # a new snapshot must not hide a change made before it
         self.guard.digest_inputs = True  # the rows of its batches are checked against the forwards' inputs
+        self._watched = (loader.batch_sampler, input_guard)
+        self._frozen = self._settings()
 
     def _loader_in_use(self) -> Optional[PoissonDataLoader]:
         """The watched loader once the loop has drawn from it (None before: see :meth:`_check_one_new_batch`)."""
@@ -376,17 +391,7 @@ class DPOptimizer(DeclaredConstants):
                              "after the backward) has a gradient: the optimizer would apply it without noise; "
                              "freeze parameters before the forward, or set their .grad to None")
         self.guard.check_sums(report)
-        counts = tuple(clip.count_noise_multiplier for clip in self.step_mechanisms)
-        if counts != self._planned_counts:  # a constant written past its guard (the instance's __dict__)
-            raise BoundError(f"a per-step mechanism's count_noise_multiplier changed after make_private ({counts} "
-                             f"instead of {self._planned_counts}): its count would be released with other noise than "
-                             "the accountant composes; build the layer with the multiplier you want, then make the "
-                             "model private")
-        if self._settings() != self._frozen:
-            raise BoundError("the private optimizer's noise plan, accountant, noise generator, inner optimizer or "
-                             "batch size changed after make_private (written past their read-only guard): the step "
-                             "would draw or account other noise than the run reports; make the model private again "
-                             "for other settings")
+        self._check_settings()
         self.check_released_state()  # after the checks that name a replaced or frozen parameter more precisely
         return report
 

@@ -200,7 +200,7 @@ class PrivacyEngine(DeclaredConstants):
         else:
             loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
                                          steps_per_epoch=steps_per_epoch)
-        dp_optimizer.watch_batches(loader, external_batches)
+        dp_optimizer.watch_batches(loader, external_batches, input_guard=self.guard)
         return wrapped, dp_optimizer, loader
 
     def make_private_with_epsilon(
