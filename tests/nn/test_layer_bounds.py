@@ -173,15 +173,19 @@ def test_activations_without_a_certified_constant_refused(act):
         BoundEngine(nn.Sequential(cl.LipschitzLinear(4, 4), act, cl.LipschitzLinear(4, CLASSES)), (4,), 1.0, 1.0)
 
 
-def test_an_activation_setting_changed_after_set_up_is_read_at_every_step():
-    """A LeakyReLU slope raised to 3 after the engine was built raises the bounds with it; a CELU turned to a
-    negative alpha (no finite constant) is refused."""
+def test_an_activation_setting_changed_after_set_up_is_refused():
+    """A LeakyReLU slope raised to 3 after the engine was built is refused: the bounds used to follow it at every
+    computation, which let a slope raised for the forward and put back before the step go unseen (the step's
+    bounds described the old slope). A slope of 3 set before the engine is built is bounded and checked; a CELU
+    turned to a negative alpha (no finite constant) is refused."""
     act = nn.LeakyReLU(0.1)
     model = nn.Sequential(cl.LipschitzLinear(4, 4), act, cl.LipschitzLinear(4, CLASSES))
     engine = BoundEngine(model, (4,), 1.0, 1.0)
     before = engine.compute().layers[0].bound
     act.negative_slope = 3.0
-    assert engine.compute().layers[0].bound == pytest.approx(3.0 * before)
+    with pytest.raises(cl.BoundError, match="its constant negative_slope changed from 0.1 to 3.0"):
+        engine.compute()
+    assert BoundEngine(model, (4,), 1.0, 1.0).compute().layers[0].bound == pytest.approx(3.0 * before)
     check(model, (4,), radius=1.0, trained=False)
     celu = nn.CELU(0.5)
     engine = BoundEngine(nn.Sequential(cl.LipschitzLinear(4, 4), celu, cl.LipschitzLinear(4, CLASSES)), (4,), 1.0,

@@ -232,7 +232,7 @@ def test_a_per_step_mechanism_changed_past_its_read_only_guard_is_refused(how):
     else:
         object.__setattr__(clip, how, lambda *args, **kwargs: None)
     loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    match = "its declared constant count_noise_multiplier changed" if how in ("dict", "object_setattr") else \
+    match = "its constant count_noise_multiplier changed" if how in ("dict", "object_setattr") else \
         f"has its own {how}"
     with pytest.raises(cl.BoundError, match=match):
         opt.step()
@@ -354,11 +354,45 @@ def test_an_input_clips_radius_written_into_its_dict_is_refused():
     model[0].__dict__["max_norm"] = 1.3
     weights = [p.detach().clone() for p in model.parameters()]
     loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    with pytest.raises(cl.BoundError, match=r"module '0' \(InputNormClip\): its declared constant max_norm changed "
+    with pytest.raises(cl.BoundError, match=r"module '0' \(InputNormClip\): its constant max_norm changed "
                                             r"from 1.0 to 1.3"):
         opt.step()
     assert engine.accountant.steps == 0 and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     model[0].__dict__["max_norm"] = 1.0
+    opt.zero_grad()
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
+@pytest.mark.parametrize("layer, name, value", [
+    (torch.nn.LeakyReLU(0.5), "negative_slope", 3.0), (torch.nn.ELU(0.5), "alpha", 3.0),
+    (torch.nn.Hardtanh(-1.0, 1.0), "max_val", 9.0), (torch.nn.GELU(), "approximate", "tanh"),
+    (cl.InputNormClip(1.0), "max_norm", 1.3)])
+def test_a_constant_changed_for_the_forward_and_put_back_before_the_step_is_refused(layer, name, value):
+    """``act.negative_slope = 3.0`` before the forward and ``= 0.5`` again before ``step()``: a torch activation's
+    setting is a plain attribute, and the step's bounds, computed at the step, described the slope 0.5. The step
+    released a gradient whose true per-example norm (4.08, autograd) was nearly three times its certified bound
+    (1.41). A declared constant toggled through ``__dict__`` around the forward did the same. The step guard now
+    asks the bound engine at every forward whether a constant differs from the bounds'."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 4, (64,))
+    model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), layer, cl.LipschitzLinear(16, 4))
+    loss, engine = cl.TauCrossEntropy(8.0), cl.PrivacyEngine("rdp")
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
+        noise_multiplier=1.0, input_shape=(16,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    frozen = layer.__dict__[name]
+    weights = [p.detach().clone() for p in model.parameters()]
+    layer.__dict__[name] = value
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    layer.__dict__[name] = frozen
+    why = "the model changed .*layer '1' .* declares no" if name == "approximate" else \
+        f"module '1' .*its constant {name} changed from {frozen!r} to {value!r}"  # tanh GELU: no bound declared
+    with pytest.raises(cl.BoundError, match=f"at the private model's forward, {why}"):
+        opt.step()
+    assert engine.accountant.steps == 0 and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     opt.zero_grad()
     loss.per_example(model(x[:16]), y[:16]).sum().backward()
     opt.step()
@@ -392,9 +426,9 @@ def test_every_declared_constant_of_the_layers_and_the_loss_is_checked_by_the_bo
     for module, name in owners:
         frozen = module.__dict__[name]
         module.__dict__[name] = object()  # differs from any value
-        with pytest.raises(cl.BoundError, match=f"its declared constant {name} changed"):
+        with pytest.raises(cl.BoundError, match=f"its constant {name} changed"):
             engine.compute()
-        with pytest.raises(cl.BoundError, match=f"its declared constant {name} changed"):
+        with pytest.raises(cl.BoundError, match=f"its constant {name} changed"):
             engine.lipschitz_constant()
         module.__dict__[name] = frozen
     engine.compute()

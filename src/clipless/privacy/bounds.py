@@ -85,6 +85,13 @@ def _activation_constants(module: nn.Module) -> Optional[Tuple[float, float, flo
     return None
 
 
+# The settings of the torch layers above that their constants are read from: frozen like declared constants
+_TORCH_SETTINGS: Dict[type, Tuple[str, ...]] = {
+    nn.Hardtanh: ("min_val", "max_val"), nn.ReLU6: ("min_val", "max_val"), nn.LeakyReLU: ("negative_slope",),
+    nn.ELU: ("alpha",), nn.CELU: ("alpha",), nn.GELU: ("approximate",),
+}
+
+
 def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]) -> Optional[LayerBound]:
     """The bound of a parameter-free torch layer the engine knows, or ``None``.
 
@@ -300,24 +307,42 @@ class BoundEngine(DeclaredConstants):
             owners += [(f"the loss's module '{n}'" if n else "the loss", m) for n, m in self.loss.named_modules()]
         elif self.loss is not None:
             owners.append(("the loss", self.loss))
-        return tuple((owner, type(obj).__name__, name, value) for owner, obj in owners
-                     if isinstance(obj, DeclaredConstants) for name, value in obj.declared_values())
+        values = [(owner, type(obj).__name__, name, value) for owner, obj in owners
+                  if isinstance(obj, DeclaredConstants) for name, value in obj.declared_values()]
+        values += [(owner, type(obj).__name__, name, getattr(obj, name, None)) for owner, obj in owners
+                   for name in _TORCH_SETTINGS.get(type(obj), ())]
+        return tuple(values)
 
-    def _check_declared(self) -> None:
-        """The declared constants the bounds were set up with are still the ones the forward reads.  The
-        read-only guard refuses ``layer.stride = 1``; a write into the instance's ``__dict__`` gets past it and
-        would leave a cached bound (a conv's norm, kept for unchanged weights) describing another layer."""
+    def declared_change(self) -> Optional[str]:
+        """Why the constants the bounds were set up with are no longer the ones the forward reads, or ``None``.
+
+        Declared constants are read-only, but a write into the instance's ``__dict__`` gets past that guard and
+        would leave a cached bound (a conv's norm, kept for unchanged weights) describing another layer; a torch
+        activation's setting (``negative_slope``) is a plain attribute.  The step guard asks at every forward
+        too: a value changed for the forward and put back before ``step()`` would pass a check at the step."""
         current = self._declared_constants()
         if current == self._declared:
-            return
+            return None
+        try:  # a layer replaced or parametrized reads as its constants changed: name what happened
+            self._check_known_forwards()
+            self._check_same_layers()
+        except BoundError as err:
+            return str(err)
         for before, now in zip(self._declared, current):
             if before != now:
                 owner, cls, name, value = before
-                raise BoundError(f"{owner} ({cls}): its declared constant {name} changed from {value!r} to "
-                                 f"{now[3]!r} after the bounds were set up (written past its read-only guard): the "
-                                 f"bounds and noise plan describe the old value; build a new {cls} and make the "
-                                 "model private again")
-        raise BoundError("the model's or the loss's declared constants changed after the bounds were set up")
+                if before[:3] != now[:3]:
+                    return f"{owner} ({cls}) is now a {now[1]} with other constants than the bounds were set up for"
+                return (f"{owner} ({cls}): its constant {name} changed from {value!r} to {now[3]!r} after the bounds "
+                        f"were set up (a declared constant written past its read-only guard, or a torch layer's "
+                        f"setting): the bounds and noise plan describe the old value; build a new {cls} and make "
+                        "the model private again")
+        return "the model's or the loss's declared constants changed after the bounds were set up"
+
+    def _check_declared(self) -> None:
+        why = self.declared_change()
+        if why is not None:
+            raise BoundError(why)
 
     def _check_parameters_covered(self) -> None:
         residual = Residual

@@ -333,12 +333,14 @@ class InputGuard(DeclaredConstants, _Guard):
 class _ForwardRecord:
     """One gradient-recording forward of the private model, until its backward reaches the output."""
 
-    __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked", "digests", "task")
+    __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked", "changed", "digests",
+                 "task")
 
     def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str],
-                 digests: Optional[torch.Tensor]) -> None:
+                 digests: Optional[torch.Tensor], changed: Optional[str] = None) -> None:
         self.guard, self.epoch, self.snapshot = guard, epoch, snapshot
         self.hooked = hooked  # why the forward may not compute what the bounds describe (hooks), or None
+        self.changed = changed  # why the layers' constants at the forward differ from the bounds', or None
         self.digests = digests  # row_digests of the forward's input
         self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
@@ -473,17 +475,20 @@ class StepGuard:
     """Follows the private model's forwards to their backward; :meth:`check_step` refuses slips (module doc)."""
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], params: Sequence[torch.Tensor],
-                 loss: Any, loss_lipschitz: Callable[[], float], rows_per_example: int = 1) -> None:
+                 loss: Any, loss_lipschitz: Callable[[], float], rows_per_example: int = 1,
+                 constants_changed: Callable[[], Optional[str]] = lambda: None) -> None:
         """``layers``/``params``: the model's bounded layers and their parameters; ``loss_lipschitz()``: the
         ``L`` of the bounds (every clipless loss applied must declare at most that; ``loss`` names it).
         ``rows_per_example`` ``K``: each example enters the forward as up to ``K`` rows (augmentation
         multiplicity), so each row's loss may weigh at most ``1/K``: whatever rows belong to one example,
-        their weights sum to at most 1 and the example's gradient stays within the per-example bound."""
+        their weights sum to at most 1 and the example's gradient stays within the per-example bound.
+        ``constants_changed()``: why the layers' constants differ from the bounds', or None (asked at each forward)."""
         self.params = list(params)
         self.rows_per_example = int(rows_per_example)
         self.sum_check = True  # check_sums on (the white-box step audit turns it off to measure a wrong bound)
         self.loss_name = type(loss).__name__ if loss is not None else "loss"
         self.loss_lipschitz = loss_lipschitz
+        self.constants_changed = constants_changed
         self.epoch = 0  # private steps released
         self._paused = 0
         self._inside = False
@@ -508,6 +513,7 @@ class StepGuard:
         self._by_id = {id(p): p for p in self._watched}
         self._modules = list(model.modules())
         self._hooked_at_entry: Optional[str] = None
+        self._changed_at_entry: Optional[str] = None
         self._entry_digests: Optional[torch.Tensor] = None
         self._forward: List[_ForwardRecord] = []
         # Row digests of the forwards' inputs are read only by the optimizer's check against a watched loader's
@@ -562,6 +568,7 @@ class StepGuard:
         self._entry_digests = row_digests(x) if recording else None
         # hooks act from the forward on (a module's backward hooks are wired in at its call): one look, at entry
         self._hooked_at_entry = None if self._paused else self._hooked()
+        self._changed_at_entry = None if self._paused else self.constants_changed()
 
     def _hooked(self) -> Optional[str]:
         """Why hooks active now could make the forward or its backward differ from what the bounds describe."""
@@ -593,7 +600,8 @@ class StepGuard:
             return None
         if self._snapshot is None or self._weights_differ(self._snapshot):
             self._snapshot = [p.detach().clone() for p in self.params]
-        record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry, self._entry_digests)
+        record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry, self._entry_digests,
+                                self._changed_at_entry)
         self._forward.append(record)
         gated = _Tap.apply(output, functools.partial(self._output_grad, record))  # after the output's own hooks
         setattr(gated, _RECORD_ATTR, record)
@@ -647,6 +655,8 @@ class StepGuard:
         elif record.hooked is not None:
             why = (f"during the private model's forward, {record.hooked}: the per-example bounds describe the model "
                    "without hooks; remove them")
+        elif record.changed is not None:
+            why = f"at the private model's forward, {record.changed}"
         elif loss_grad is None:
             why = ("the backward into the private model's output did not come from a clipless loss applied to that "
                    "output: backpropagate loss.per_example(model(x), y).sum()")

@@ -152,7 +152,8 @@ class DPOptimizer(DeclaredConstants):
         self.guard = StepGuard(bound_engine.model, bound_engine.leaves,
                                [p for layer in report.layers for p in layer.params],
                                bound_engine.loss, lambda: bound_engine.loss_lipschitz,
-                               rows_per_example=augmentation_multiplicity)
+                               rows_per_example=augmentation_multiplicity,
+                               constants_changed=bound_engine.declared_change)
         names = {id(p): name for name, p in bound_engine.model.named_parameters()}
         self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
         self._retired = False
