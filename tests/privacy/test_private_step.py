@@ -399,6 +399,39 @@ def test_a_constant_changed_for_the_forward_and_put_back_before_the_step_is_refu
     assert engine.accountant.steps == 1
 
 
+@pytest.mark.parametrize("what", ["adaptive_clip_norm", "frozen_weight"])
+def test_a_buffer_or_frozen_weight_changed_for_the_forward_and_put_back_before_the_step_is_refused(what):
+    """An adaptive clip's norm (a buffer) raised from 0.1 to 0.3 for the forward and put back before ``step()``:
+    the step's bounds, computed from the put-back value, said 0.1 while the backward had clipped at 0.3, and the
+    step released it (the summed-gradient check only catches gross factors). The step compares buffers and frozen
+    parameters with the released state only at the step; the step guard now asks at every forward as well."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 4, (64,))
+    clip = cl.AdaptiveLossGradientClip(0.1, 5.0)
+    model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), cl.MaxMin(), cl.LipschitzLinear(16, 4), clip)
+    model[0].weight.requires_grad_(False)
+    loss, engine = cl.TauCrossEntropy(8.0), cl.PrivacyEngine("rdp")
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD([model[2].weight], lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
+        noise_multiplier=1.0, input_shape=(16,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    tensor, name = (clip.clip_norm, "3.clip_norm") if what == "adaptive_clip_norm" else (model[0].weight, "0.weight")
+    saved = tensor.detach().clone()
+    with torch.no_grad():
+        tensor.mul_(3.0)
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    with torch.no_grad():
+        tensor.copy_(saved)
+    why = f"at the private model's forward, buffers or frozen parameters \\({name}\\)"
+    with pytest.raises(cl.BoundError, match=why):
+        opt.step()
+    assert engine.accountant.steps == 0
+    opt.zero_grad()
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
 def _declared_owners(*roots):
     return [(m, name) for root in roots for m in root.modules()
             if isinstance(m, cl.privacy.certified.DeclaredConstants) for name in type(m).constants]

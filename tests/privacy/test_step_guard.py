@@ -1006,7 +1006,9 @@ def test_a_buffer_changed_by_the_forward_is_refused_and_put_back(frozen_paramete
     trained = [p.detach().clone() for p in model.parameters() if p.requires_grad]
 
     def refused():  # as _refused, but the changed state itself is put back, so it differs from before the step
-        with pytest.raises(BoundError, match="buffers or frozen parameters of the private model changed") as info:
+        # changed by the forward: seen at the step; by hand before the forward: seen at the forward already
+        with pytest.raises(BoundError, match=r"buffers or frozen parameters (of the private model changed|\(0.total\) "
+                                             r"were not as the last private step released)") as info:
             opt.step()
         assert engine.accountant.steps == steps and torch.equal(model[0].total, torch.zeros(6))
         assert all(torch.equal(a, p) for a, p in zip(trained, (p for p in model.parameters() if p.requires_grad)))

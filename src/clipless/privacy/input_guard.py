@@ -340,7 +340,7 @@ class _ForwardRecord:
                  digests: Optional[torch.Tensor], changed: Optional[str] = None) -> None:
         self.guard, self.epoch, self.snapshot = guard, epoch, snapshot
         self.hooked = hooked  # why the forward may not compute what the bounds describe (hooks), or None
-        self.changed = changed  # why the layers' constants at the forward differ from the bounds', or None
+        self.changed = changed  # why the model at the forward differs from the bounds' (a constant, a buffer), or None
         self.digests = digests  # row_digests of the forward's input
         self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
@@ -476,19 +476,20 @@ class StepGuard:
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], params: Sequence[torch.Tensor],
                  loss: Any, loss_lipschitz: Callable[[], float], rows_per_example: int = 1,
-                 constants_changed: Callable[[], Optional[str]] = lambda: None) -> None:
+                 model_changed: Callable[[], Optional[str]] = lambda: None) -> None:
         """``layers``/``params``: the model's bounded layers and their parameters; ``loss_lipschitz()``: the
         ``L`` of the bounds (every clipless loss applied must declare at most that; ``loss`` names it).
         ``rows_per_example`` ``K``: each example enters the forward as up to ``K`` rows (augmentation
         multiplicity), so each row's loss may weigh at most ``1/K``: whatever rows belong to one example,
         their weights sum to at most 1 and the example's gradient stays within the per-example bound.
-        ``constants_changed()``: why the layers' constants differ from the bounds', or None (asked at each forward)."""
+        ``model_changed()``: why the model differs from what the step's bounds will describe (a constant, a buffer),
+        or None; asked at each forward, whose backward is then refused."""
         self.params = list(params)
         self.rows_per_example = int(rows_per_example)
         self.sum_check = True  # check_sums on (the white-box step audit turns it off to measure a wrong bound)
         self.loss_name = type(loss).__name__ if loss is not None else "loss"
         self.loss_lipschitz = loss_lipschitz
-        self.constants_changed = constants_changed
+        self.model_changed = model_changed
         self.epoch = 0  # private steps released
         self._paused = 0
         self._inside = False
@@ -568,7 +569,8 @@ class StepGuard:
         self._entry_digests = row_digests(x) if recording else None
         # hooks act from the forward on (a module's backward hooks are wired in at its call): one look, at entry
         self._hooked_at_entry = None if self._paused else self._hooked()
-        self._changed_at_entry = None if self._paused else self.constants_changed()
+        # a compiled forward that could reach a step is refused by the input guard, which runs next
+        self._changed_at_entry = None if self._paused or torch.compiler.is_compiling() else self.model_changed()
 
     def _hooked(self) -> Optional[str]:
         """Why hooks active now could make the forward or its backward differ from what the bounds describe."""

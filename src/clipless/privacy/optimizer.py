@@ -153,7 +153,7 @@ class DPOptimizer(DeclaredConstants):
                                [p for layer in report.layers for p in layer.params],
                                bound_engine.loss, lambda: bound_engine.loss_lipschitz,
                                rows_per_example=augmentation_multiplicity,
-                               constants_changed=bound_engine.declared_change)
+                               model_changed=self._changed_at_forward)
         names = {id(p): name for name, p in bound_engine.model.named_parameters()}
         self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
         self._retired = False
@@ -299,6 +299,21 @@ class DPOptimizer(DeclaredConstants):
 
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_model_state(self.bound_engine.model))
+
+    def _changed_at_forward(self) -> Optional[str]:
+        """Why the model a forward runs is not the one this step's bounds will describe, or ``None``: a constant
+        changed (:meth:`BoundEngine.declared_change`), or a buffer or frozen parameter not as the last step released
+        it (an adaptive clip's norm raised for the forward and put back before ``step()`` passes a check at the
+        step alone).  Asked by the step guard at every forward; the stepped weights it follows itself."""
+        why = self.bound_engine.declared_change()
+        if why is not None:
+            return why
+        current = {n: t for n, t in _model_state(self.bound_engine.model).items() if id(t) not in self._bounded}
+        changed = changed_state(current, {n: t for n, t in self._released_state.items() if n in current})
+        if not changed:
+            return None
+        return (f"buffers or frozen parameters ({', '.join(changed[:4])}) were not as the last private step released "
+                "them: the bounds are computed from the released values; only the private step may change the model")
 
     def check_released_state(self) -> None:
         """Refuse a model that is not as the last private step released it (or refused and put back), and put
