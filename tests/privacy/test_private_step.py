@@ -432,6 +432,40 @@ def test_a_buffer_or_frozen_weight_changed_for_the_forward_and_put_back_before_t
     assert engine.accountant.steps == 1
 
 
+def test_the_input_bound_and_sampling_rate_changed_around_a_forward_or_a_draw_are_refused():
+    """The input guard's bound switched off (``__dict__``) for one forward took an input of norm 3 past the
+    check of a model bounded for norm 1, and the sampler's threshold raised for one draw gave a batch of twice the
+    inclusion rate; both were put back before ``step()``, whose check of the settings then passed. The step guard
+    now asks at every forward, and the sampler at every draw."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (64,))
+    model = torch.nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    loss, engine = cl.TauCrossEntropy(2.0), cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
+        noise_multiplier=1.0, input_shape=(6,), batch_size=8.0, input_bound=1.0)
+    batches = iter(loader)
+    xb, yb = next(batches)
+    engine.guard.__dict__["data_bound"] = None
+    loss.per_example(model(torch.cat([3 * xb[:1], xb[1:]])), yb).sum().backward()
+    engine.guard.__dict__["data_bound"] = 1.0
+    with pytest.raises(cl.BoundError, match="at the private model's forward, .*the input guard's bound changed"):
+        opt.step()
+    assert engine.accountant.steps == 0
+    opt.zero_grad()
+    sampler = loader.batch_sampler
+    threshold = sampler.threshold
+    sampler.__dict__["threshold"] = 2 * threshold
+    with pytest.raises(cl.BoundError, match="the Poisson sampler's rate, size or generator changed"):
+        next(batches)
+    sampler.__dict__["threshold"] = threshold
+    xb, yb = next(iter(loader))
+    loss.per_example(model(xb), yb).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
 def _declared_owners(*roots):
     return [(m, name) for root in roots for m in root.modules()
             if isinstance(m, cl.privacy.certified.DeclaredConstants) for name in type(m).constants]

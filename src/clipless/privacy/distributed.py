@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from .certified import BoundError
-from .sampling import PoissonBatchSampler, poisson_mask
+from .sampling import PoissonBatchSampler
 
 T = TypeVar("T")
 
@@ -140,4 +140,4 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
 
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps_per_epoch):
-            yield self.shard[poisson_mask(len(self.shard), self.threshold, self.generator)].tolist()
+            yield self.shard[self._mask(len(self.shard))].tolist()

@@ -217,13 +217,18 @@ class DPOptimizer(DeclaredConstants):
                                      "call make_private again on the same PrivacyEngine (its accountant goes on "
                                      "composing)")
 
+    def _settings_change(self) -> Optional[str]:
+        if self._settings() == self._frozen:
+            return None
+        return ("the private optimizer's noise plan, accountant, noise generator, inner optimizer, batch size, the "
+                "loader's sampler or the input guard's bound changed after make_private (written past their read-only "
+                "guard): the step would draw or account other noise than the run reports; make the model private "
+                "again for other settings")
+
     def _check_settings(self) -> None:
-        if self._settings() != self._frozen:
-            raise BoundError("the private optimizer's noise plan, accountant, noise generator, inner optimizer, "
-                             "batch size, the loader's sampler or the input guard's bound changed after make_private "
-                             "(written past their read-only guard): the step "
-                             "would draw or account other noise than the run reports; make the model private again "
-                             "for other settings")
+        why = self._settings_change()
+        if why is not None:
+            raise BoundError(why)
 
     def watch_batches(self, loader: PoissonDataLoader, external_batches: bool = False,
                       input_guard: Optional[DeclaredConstants] = None) -> None:
@@ -306,6 +311,9 @@ class DPOptimizer(DeclaredConstants):
         it (an adaptive clip's norm raised for the forward and put back before ``step()`` passes a check at the
         step alone).  Asked by the step guard at every forward; the stepped weights it follows itself."""
         why = self.bound_engine.declared_change()
+        if why is not None:
+            return why
+        why = self._settings_change()  # the input guard's bound, say, switched off for this forward's check
         if why is not None:
             return why
         current = {n: t for n, t in _model_state(self.bound_engine.model).items() if id(t) not in self._bounded}

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from .input_guard import batch_row_digests
-from .certified import DeclaredConstants
+from .certified import BoundError, DeclaredConstants
 from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
@@ -97,13 +97,22 @@ class PoissonBatchSampler(DeclaredConstants, Sampler[List[int]]):
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
         self.generator = generator if generator is not None else secret_generator()
+        self._built_with = self.declared_values()
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
+    def _mask(self, num_samples: int) -> torch.Tensor:
+        """One Poisson draw, refused if a constant was written past the read-only guard (the optimizer's check at
+        the step would not see a rate raised for the draw and put back before it)."""
+        if self.declared_values() != self._built_with:
+            raise BoundError("the Poisson sampler's rate, size or generator changed after it was built (written past "
+                             "its read-only guard): its batches would not be the samples the accountant composes")
+        return poisson_mask(num_samples, self.threshold, self.generator)
+
     def __iter__(self) -> Iterator[List[int]]:
         for _ in range(self.steps_per_epoch):
-            yield poisson_mask(self.num_samples, self.threshold, self.generator).nonzero(as_tuple=True)[0].tolist()
+            yield self._mask(self.num_samples).nonzero(as_tuple=True)[0].tolist()
 
 
 class BatchCollator:
