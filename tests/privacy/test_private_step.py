@@ -466,6 +466,33 @@ def test_the_input_bound_and_sampling_rate_changed_around_a_forward_or_a_draw_ar
     assert engine.accountant.steps == 1
 
 
+def test_a_loss_constant_changed_for_the_backward_and_put_back_before_the_step_is_refused():
+    """After the forward, a ``CrossEntropyWithTemperature(1.0)`` given temperature 1/3 and constant 3 sqrt(2)
+    through ``__dict__`` for its backward, then put back: the output-gradient check at the backward read the raised
+    constant, the step's bounds the put-back one, and a gradient of three times the bound was released. The step
+    guard now also asks at the backward into the output whether a constant differs from the bounds'."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 4, (64,))
+    model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), cl.MaxMin(), cl.LipschitzLinear(16, 4))
+    loss, engine = cl.CrossEntropyWithTemperature(1.0), cl.PrivacyEngine("rdp")
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
+        noise_multiplier=1.0, input_shape=(16,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    out = model(x[:16])
+    loss.__dict__.update(temperature=1 / 3, lipschitz=3 * math.sqrt(2))
+    loss.per_example(out, y[:16]).sum().backward()
+    loss.__dict__.update(temperature=1.0, lipschitz=math.sqrt(2))
+    with pytest.raises(cl.BoundError, match="at the backward into the private model's output, the loss "
+                                            r"\(CrossEntropyWithTemperature\): its constant"):
+        opt.step()
+    assert engine.accountant.steps == 0
+    opt.zero_grad()
+    loss.per_example(model(x[:16]), y[:16]).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
 def _declared_owners(*roots):
     return [(m, name) for root in roots for m in root.modules()
             if isinstance(m, cl.privacy.certified.DeclaredConstants) for name in type(m).constants]

@@ -648,6 +648,8 @@ class StepGuard:
         twice, record.backpropagated = record.backpropagated, True
         record.task = backward_pass_id()
         lipschitz = self.loss_lipschitz()
+        # the loss's constant checked below is read now: it must still be the bounds' (not raised for this backward)
+        changed_now = None if self._paused else self.model_changed()
         norms = torch.linalg.vector_norm(grad.detach().flatten(1).double(), dim=1)  # each example's loss gradient
         largest = float(norms.max()) if norms.numel() else 0.0
         if record.epoch != self.epoch:
@@ -659,6 +661,8 @@ class StepGuard:
                    "without hooks; remove them")
         elif record.changed is not None:
             why = f"at the private model's forward, {record.changed}"
+        elif changed_now is not None:
+            why = f"at the backward into the private model's output, {changed_now}"
         elif loss_grad is None:
             why = ("the backward into the private model's output did not come from a clipless loss applied to that "
                    "output: backpropagate loss.per_example(model(x), y).sum()")
