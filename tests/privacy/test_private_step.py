@@ -290,20 +290,46 @@ def test_a_secret_generator_refuses_to_be_reseeded():
     make_generator(0, stream=2).manual_seed(1)
 
 
+def _unit_rows(n, d, classes):
+    torch.manual_seed(0)
+    x = torch.randn(n, d)
+    return x / x.norm(dim=1, keepdim=True), torch.randint(0, classes, (n,))
+
+
+def _made_private(model, loss, x, y, batch_size=16.0, **kwargs):
+    """``model`` made private by a fresh RDP engine (SGD on its trainable weights, sigma 1): model, opt, loader,
+    engine."""
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data=cl.ArrayDataset(x, y), loss=loss, noise_multiplier=1.0, input_shape=tuple(x.shape[1:]),
+        batch_size=batch_size, **kwargs)
+    return model, opt, loader, engine
+
+
+def _refused_then_released(opt, engine, model, loss, x, y, match, weights=None):
+    """``opt.step()`` is refused, nothing accounted and ``weights`` (if given) unchanged; run again on ``x, y``
+    with the model as built, the batch is released."""
+    with pytest.raises(cl.BoundError, match=match):
+        opt.step()
+    assert engine.accountant.steps == 0
+    assert weights is None or all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
 def test_the_bounds_input_check_sampling_and_accountant_are_read_only():
     """``opt.bound_engine.input_bound = 0.5`` halved every certified bound, and the noise, while the input guard
     still accepted inputs of norm 1: the step ran at the reported epsilon with half the sensitivity it needed.
     ``engine.guard.data_bound = None`` switched the input check off, ``loader.batch_sampler.threshold`` set the
     inclusion rate the accountant composes, and ``engine.accountant = PrivacyAccountant()`` reported epsilon 0.
     Each is refused; the bound engine's input bound is also checked by every step."""
-    torch.manual_seed(0)
-    x = torch.randn(32, 6)
-    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (32,))
+    x, y = _unit_rows(32, 6, 3)
     model = torch.nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
-    loss, engine = cl.TauCrossEntropy(2.0), cl.PrivacyEngine("rdp")
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
-        noise_multiplier=1.0, input_shape=(6,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    loss = cl.TauCrossEntropy(2.0)
+    model, opt, loader, engine = _made_private(model, loss, x, y, input_bound=1.0, external_batches=True)
     for owner, name, value in [(opt.bound_engine, "input_bound", 0.5), (engine.guard, "data_bound", None),
                                (loader.batch_sampler, "threshold", 2**53), (loader.batch_sampler, "sample_rate", 0.9),
                                (loader.batch_sampler, "generator", torch.Generator()),
@@ -338,33 +364,6 @@ def test_the_bounds_input_check_sampling_and_accountant_are_read_only():
     assert engine.accountant.steps == 1
 
 
-def test_an_input_clips_radius_written_into_its_dict_is_refused():
-    """``model[0].__dict__["max_norm"] = 1.3`` on an ``InputNormClip(1.0)`` got past the read-only guard: the
-    forward let inputs of norm 1.3 through while the bounds still started from 1, and the step released a batch
-    whose true per-example gradient (1.79, autograd, one example at a time) exceeded its certified bound (1.41).
-    The bound engine now compares every declared constant of the model and the loss with its value at
-    ``make_private`` whenever it computes bounds."""
-    torch.manual_seed(0)
-    x, y = torch.rand(64, 16) * 4, torch.randint(0, 3, (64,))
-    model = torch.nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(16, 3, bias=False))
-    loss, engine = cl.TauCrossEntropy(8.0), cl.PrivacyEngine("rdp")
-    model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
-        noise_multiplier=1.0, input_shape=(16,), batch_size=16.0, external_batches=True)
-    model[0].__dict__["max_norm"] = 1.3
-    weights = [p.detach().clone() for p in model.parameters()]
-    loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    with pytest.raises(cl.BoundError, match=r"module '0' \(InputNormClip\): its constant max_norm changed "
-                                            r"from 1.0 to 1.3"):
-        opt.step()
-    assert engine.accountant.steps == 0 and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
-    model[0].__dict__["max_norm"] = 1.0
-    opt.zero_grad()
-    loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    opt.step()
-    assert engine.accountant.steps == 1
-
-
 @pytest.mark.parametrize("layer, name, value", [
     (torch.nn.LeakyReLU(0.5), "negative_slope", 3.0), (torch.nn.ELU(0.5), "alpha", 3.0),
     (torch.nn.Hardtanh(-1.0, 1.0), "max_val", 9.0), (torch.nn.GELU(), "approximate", "tanh"),
@@ -373,16 +372,13 @@ def test_a_constant_changed_for_the_forward_and_put_back_before_the_step_is_refu
     """``act.negative_slope = 3.0`` before the forward and ``= 0.5`` again before ``step()``: a torch activation's
     setting is a plain attribute, and the step's bounds, computed at the step, described the slope 0.5. The step
     released a gradient whose true per-example norm (4.08, autograd) was nearly three times its certified bound
-    (1.41). A declared constant toggled through ``__dict__`` around the forward did the same. The step guard now
-    asks the bound engine at every forward whether a constant differs from the bounds'."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 16)
-    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 4, (64,))
+    (1.41). A declared constant written through ``__dict__`` did the same: an ``InputNormClip(1.0)`` radius set to
+    1.3 let inputs of norm 1.3 through while the bounds started from 1 (true per-example gradient 1.79, bound 1.41).
+    The step guard now asks the bound engine at every forward whether a constant differs from the bounds'."""
+    x, y = _unit_rows(64, 16, 4)
     model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), layer, cl.LipschitzLinear(16, 4))
-    loss, engine = cl.TauCrossEntropy(8.0), cl.PrivacyEngine("rdp")
-    model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
-        noise_multiplier=1.0, input_shape=(16,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    loss = cl.TauCrossEntropy(8.0)
+    model, opt, _, engine = _made_private(model, loss, x, y, input_bound=1.0, external_batches=True)
     frozen = layer.__dict__[name]
     weights = [p.detach().clone() for p in model.parameters()]
     layer.__dict__[name] = value
@@ -390,13 +386,7 @@ def test_a_constant_changed_for_the_forward_and_put_back_before_the_step_is_refu
     layer.__dict__[name] = frozen
     why = "the model changed .*layer '1' .* declares no" if name == "approximate" else \
         f"module '1' .*its constant {name} changed from {frozen!r} to {value!r}"  # tanh GELU: no bound declared
-    with pytest.raises(cl.BoundError, match=f"at the private model's forward, {why}"):
-        opt.step()
-    assert engine.accountant.steps == 0 and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
-    opt.zero_grad()
-    loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    opt.step()
-    assert engine.accountant.steps == 1
+    _refused_then_released(opt, engine, model, loss, x[:16], y[:16], f"at the private model's forward, {why}", weights)
 
 
 @pytest.mark.parametrize("what", ["adaptive_clip_norm", "frozen_weight"])
@@ -405,16 +395,12 @@ def test_a_buffer_or_frozen_weight_changed_for_the_forward_and_put_back_before_t
     the step's bounds, computed from the put-back value, said 0.1 while the backward had clipped at 0.3, and the
     step released it (the summed-gradient check only catches gross factors). The step compares buffers and frozen
     parameters with the released state only at the step; the step guard now asks at every forward as well."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 16)
-    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 4, (64,))
+    x, y = _unit_rows(64, 16, 4)
     clip = cl.AdaptiveLossGradientClip(0.1, 5.0)
     model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), cl.MaxMin(), cl.LipschitzLinear(16, 4), clip)
     model[0].weight.requires_grad_(False)
-    loss, engine = cl.TauCrossEntropy(8.0), cl.PrivacyEngine("rdp")
-    model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD([model[2].weight], lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
-        noise_multiplier=1.0, input_shape=(16,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    loss = cl.TauCrossEntropy(8.0)
+    model, opt, _, engine = _made_private(model, loss, x, y, input_bound=1.0, external_batches=True)
     tensor, name = (clip.clip_norm, "3.clip_norm") if what == "adaptive_clip_norm" else (model[0].weight, "0.weight")
     saved = tensor.detach().clone()
     with torch.no_grad():
@@ -423,13 +409,7 @@ def test_a_buffer_or_frozen_weight_changed_for_the_forward_and_put_back_before_t
     with torch.no_grad():
         tensor.copy_(saved)
     why = f"at the private model's forward, buffers or frozen parameters \\({name}\\)"
-    with pytest.raises(cl.BoundError, match=why):
-        opt.step()
-    assert engine.accountant.steps == 0
-    opt.zero_grad()
-    loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    opt.step()
-    assert engine.accountant.steps == 1
+    _refused_then_released(opt, engine, model, loss, x[:16], y[:16], why)
 
 
 def test_the_input_bound_and_sampling_rate_changed_around_a_forward_or_a_draw_are_refused():
@@ -437,14 +417,10 @@ def test_the_input_bound_and_sampling_rate_changed_around_a_forward_or_a_draw_ar
     check of a model bounded for norm 1, and the sampler's threshold raised for one draw gave a batch of twice the
     inclusion rate; both were put back before ``step()``, whose check of the settings then passed. The step guard
     now asks at every forward, and the sampler at every draw."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 6)
-    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (64,))
+    x, y = _unit_rows(64, 6, 3)
     model = torch.nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
-    loss, engine = cl.TauCrossEntropy(2.0), cl.PrivacyEngine("rdp")
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
-        noise_multiplier=1.0, input_shape=(6,), batch_size=8.0, input_bound=1.0)
+    loss = cl.TauCrossEntropy(2.0)
+    model, opt, loader, engine = _made_private(model, loss, x, y, batch_size=8.0, input_bound=1.0)
     batches = iter(loader)
     xb, yb = next(batches)
     engine.guard.__dict__["data_bound"] = None
@@ -471,26 +447,16 @@ def test_a_loss_constant_changed_for_the_backward_and_put_back_before_the_step_i
     through ``__dict__`` for its backward, then put back: the output-gradient check at the backward read the raised
     constant, the step's bounds the put-back one, and a gradient of three times the bound was released. The step
     guard now also asks at the backward into the output whether a constant differs from the bounds'."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 16)
-    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 4, (64,))
+    x, y = _unit_rows(64, 16, 4)
     model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), cl.MaxMin(), cl.LipschitzLinear(16, 4))
-    loss, engine = cl.CrossEntropyWithTemperature(1.0), cl.PrivacyEngine("rdp")
-    model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y), loss=loss,
-        noise_multiplier=1.0, input_shape=(16,), batch_size=16.0, input_bound=1.0, external_batches=True)
+    loss = cl.CrossEntropyWithTemperature(1.0)
+    model, opt, _, engine = _made_private(model, loss, x, y, input_bound=1.0, external_batches=True)
     out = model(x[:16])
     loss.__dict__.update(temperature=1 / 3, lipschitz=3 * math.sqrt(2))
     loss.per_example(out, y[:16]).sum().backward()
     loss.__dict__.update(temperature=1.0, lipschitz=math.sqrt(2))
-    with pytest.raises(cl.BoundError, match="at the backward into the private model's output, the loss "
-                                            r"\(CrossEntropyWithTemperature\): its constant"):
-        opt.step()
-    assert engine.accountant.steps == 0
-    opt.zero_grad()
-    loss.per_example(model(x[:16]), y[:16]).sum().backward()
-    opt.step()
-    assert engine.accountant.steps == 1
+    why = r"at the backward into the private model's output, the loss \(CrossEntropyWithTemperature\): its constant"
+    _refused_then_released(opt, engine, model, loss, x[:16], y[:16], why)
 
 
 def _declared_owners(*roots):
