@@ -154,6 +154,20 @@ def test_the_trainers_epsilon_and_label_settings_are_read_only():
     assert result.delta == 1e-5 and result.randomness == "fixed-seed" and 2.9 < result.epsilon <= 3.0
 
 
+@pytest.mark.parametrize("name, value", [("noise_seed", None), ("delta", 0.5)])
+def test_the_trainers_label_settings_written_into_its_dict_are_refused(name, value, tmp_path):
+    """``trainer.__dict__["noise_seed"] = None`` got past the read-only guard and the seeded run's result said
+    "os-entropy"; ``delta`` likewise reported another run's epsilon. Reporting an epsilon and saving a checkpoint
+    now compare them with the trainer's settings when built."""
+    trainer = digits_trainer(epochs=1)
+    trainer.__dict__[name] = value
+    with pytest.raises(cl.BoundError, match=f"the trainer's {name} changed after it was built"):
+        trainer.fit()
+    with pytest.raises(cl.BoundError, match=f"the trainer's {name} changed"):
+        trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     straight = digits_trainer(epochs=4)
     straight.fit()

@@ -23,6 +23,7 @@ from ..data.augment import ImageAugmentation
 from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
+from ..privacy.certified import BoundError
 from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
@@ -185,6 +186,17 @@ class PrivateTrainer(DeclaredConstants):
         self._wall = 0.0
         # What made the run (e.g. the CLI's resolved flags): kept in the checkpoint so a resume can restore it.
         self.run_config: Optional[Dict[str, Any]] = None
+        self._built_with = self.declared_values()
+
+    def _check_settings(self) -> None:
+        """The settings the epsilon and the randomness label are computed from are still those the run was built
+        with (a write into ``__dict__`` passes the read-only guard: ``noise_seed`` set to None would label a seeded
+        run "os-entropy")."""
+        if self.declared_values() != self._built_with:
+            changed = [name for (name, now), (_, then) in zip(self.declared_values(), self._built_with) if now != then]
+            raise BoundError(f"the trainer's {', '.join(changed)} changed after it was built (written past the "
+                             "read-only guard): its epsilon or randomness label would describe another run; build a "
+                             "new PrivateTrainer for other settings")
 
     @torch.no_grad()
     def _update_average(self) -> None:
@@ -203,6 +215,7 @@ class PrivateTrainer(DeclaredConstants):
         return self.privacy_engine.accountant
 
     def epsilon(self) -> float:
+        self._check_settings()
         return self.accountant.get_epsilon(self.delta)
 
     def _train_epoch(self) -> Dict[str, float]:
@@ -331,6 +344,7 @@ class PrivateTrainer(DeclaredConstants):
         """Model, optimizer, accountant, generators and progress: everything a resume needs (atomic, checksummed:
         :mod:`clipless.train.checkpoint`).  A model changed since the last private step is refused (and put back):
         the change would be saved without noise."""
+        self._check_settings()
         self.optimizer.check_released_state()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
