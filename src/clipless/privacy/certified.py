@@ -8,7 +8,7 @@ in :mod:`clipless.diagnostics.robustness`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,6 +45,15 @@ class DeclaredConstants:
         """``(name, value)`` of every declared constant, as read now: a value written into the instance's
         ``__dict__`` passes the read-only guard, so whoever relies on them compares this with a snapshot."""
         return tuple((name, getattr(self, name, None)) for name in type(self).constants)
+
+    def record_declared(self) -> None:
+        """Remember the declared constants' values now (the end of ``__init__``), for :meth:`declared_changes`."""
+        self._recorded_values = self.declared_values()
+
+    def declared_changes(self) -> List[str]:
+        """The declared constants whose value is no longer the one :meth:`record_declared` saw."""
+        return [name for (name, now), (_, then) in zip(self.declared_values(), self._recorded_values)
+                if now is not then and now != then]
 
 
 def certified_spectral_norm(matrix: torch.Tensor, shortcut: bool = True) -> float:

@@ -97,7 +97,7 @@ class PoissonBatchSampler(DeclaredConstants, Sampler[List[int]]):
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
         self.generator = generator if generator is not None else secret_generator()
-        self._built_with = self.declared_values()
+        self.record_declared()
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -105,8 +105,9 @@ class PoissonBatchSampler(DeclaredConstants, Sampler[List[int]]):
     def _mask(self, num_samples: int) -> torch.Tensor:
         """One Poisson draw, refused if a constant was written past the read-only guard (the optimizer's check at
         the step would not see a rate raised for the draw and put back before it)."""
-        if self.declared_values() != self._built_with:
-            raise BoundError("the Poisson sampler's rate, size or generator changed after it was built (written past "
+        changed = self.declared_changes()
+        if changed:
+            raise BoundError(f"the Poisson sampler's {', '.join(changed)} changed after it was built (written past "
                              "its read-only guard): its batches would not be the samples the accountant composes")
         return poisson_mask(num_samples, self.threshold, self.generator)
 

@@ -186,14 +186,14 @@ class PrivateTrainer(DeclaredConstants):
         self._wall = 0.0
         # What made the run (e.g. the CLI's resolved flags): kept in the checkpoint so a resume can restore it.
         self.run_config: Optional[Dict[str, Any]] = None
-        self._built_with = self.declared_values()
+        self.record_declared()
 
     def _check_settings(self) -> None:
         """The settings the epsilon and the randomness label are computed from are still those the run was built
         with (a write into ``__dict__`` passes the read-only guard: ``noise_seed`` set to None would label a seeded
         run "os-entropy")."""
-        if self.declared_values() != self._built_with:
-            changed = [name for (name, now), (_, then) in zip(self.declared_values(), self._built_with) if now != then]
+        changed = self.declared_changes()
+        if changed:
             raise BoundError(f"the trainer's {', '.join(changed)} changed after it was built (written past the "
                              "read-only guard): its epsilon or randomness label would describe another run; build a "
                              "new PrivateTrainer for other settings")
