@@ -459,6 +459,22 @@ def test_a_loss_constant_changed_for_the_backward_and_put_back_before_the_step_i
     _refused_then_released(opt, engine, model, loss, x[:16], y[:16], why)
 
 
+def test_a_forward_with_other_weights_through_functional_call_is_refused_by_name():
+    """``torch.func.functional_call(model, {name: 3 * w}, x)`` runs the model with other tensors in its weights'
+    places; refused before as "buffers or frozen parameters (0.weight, 2.weight) were not as released", it is now
+    named for what it is."""
+    from torch.func import functional_call
+
+    x, y = _unit_rows(64, 16, 4)
+    model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), cl.MaxMin(), cl.LipschitzLinear(16, 4))
+    loss = cl.TauCrossEntropy(8.0)
+    model, opt, _, engine = _made_private(model, loss, x, y, input_bound=1.0, external_batches=True)
+    out = functional_call(model, {k: 3 * v for k, v in model.named_parameters()}, (x[:16],))
+    loss.per_example(out, y[:16]).sum().backward()
+    why = r"the model's weights \(0.weight, 2.weight\) were other tensors than its own \(torch.func.functional_call"
+    _refused_then_released(opt, engine, model, loss, x[:16], y[:16], why)
+
+
 def _declared_owners(*roots):
     return [(m, name) for root in roots for m in root.modules()
             if isinstance(m, cl.privacy.certified.DeclaredConstants) for name in type(m).constants]

@@ -136,6 +136,7 @@ class DPOptimizer(DeclaredConstants):
                              "each example up to K times (sensitivity K, not 1); use a fixed LossGradientClip")
         self.augmentation_multiplicity = augmentation_multiplicity
         self._bounded = {id(p) for layer in report.layers for p in layer.params}
+        self._bounded_names = [n for n, p in bound_engine.model.named_parameters() if id(p) in self._bounded]
         self._check_covered()
         self.generator = generator if generator is not None else secret_generator(
             next(bound_engine.model.parameters()).device)
@@ -316,7 +317,12 @@ class DPOptimizer(DeclaredConstants):
         why = self._settings_change()  # the input guard's bound, say, switched off for this forward's check
         if why is not None:
             return why
-        current = {n: t for n, t in _model_state(self.bound_engine.model).items() if id(t) not in self._bounded}
+        state = _model_state(self.bound_engine.model)
+        swapped = [n for n in self._bounded_names if id(state.get(n)) not in self._bounded]
+        if swapped:
+            return (f"the model's weights ({', '.join(swapped[:4])}) were other tensors than its own (torch.func."
+                    "functional_call, a parameter reassigned): the bounds describe the model's own weights")
+        current = {n: t for n, t in state.items() if n not in self._bounded_names}
         changed = changed_state(current, {n: t for n, t in self._released_state.items() if n in current})
         if not changed:
             return None
