@@ -350,7 +350,7 @@ def test_the_bounds_input_check_sampling_and_accountant_are_read_only():
         frozen = owner.__dict__[name]
         owner.__dict__[name] = value
         loss.per_example(model(x[:16]), y[:16]).sum().backward()
-        with pytest.raises(cl.BoundError, match="the loader's sampler or the input guard's bound changed"):
+        with pytest.raises(cl.BoundError, match="the input guard's bound or the step guard's settings changed"):
             opt.step()
         assert engine.accountant.steps == 0
         owner.__dict__[name] = frozen
@@ -426,7 +426,7 @@ def test_the_input_bound_and_sampling_rate_changed_around_a_forward_or_a_draw_ar
     engine.guard.__dict__["data_bound"] = None
     loss.per_example(model(torch.cat([3 * xb[:1], xb[1:]])), yb).sum().backward()
     engine.guard.__dict__["data_bound"] = 1.0
-    with pytest.raises(cl.BoundError, match="at the private model's forward, .*the input guard's bound changed"):
+    with pytest.raises(cl.BoundError, match="at the private model's forward, .*the input guard's bound or the step guard"):
         opt.step()
     assert engine.accountant.steps == 0
     opt.zero_grad()
@@ -473,6 +473,36 @@ def test_a_forward_with_other_weights_through_functional_call_is_refused_by_name
     loss.per_example(out, y[:16]).sum().backward()
     why = r"the model's weights \(0.weight, 2.weight\) were other tensors than its own \(torch.func.functional_call"
     _refused_then_released(opt, engine, model, loss, x[:16], y[:16], why)
+
+
+@pytest.mark.parametrize("name, value", [("digest_inputs", False), ("loss_lipschitz", lambda: 1e9),
+                                         ("model_changed", lambda: None)])
+def test_the_step_guards_settings_are_checked_every_forward_and_step(name, value):
+    """``opt.guard.digest_inputs = False`` switched off the check that no record enters the batch's rows more
+    often than drawn: a record repeated 6 times (rows resampled by index, row count unchanged) was released at
+    6 times its sensitivity. ``loss_lipschitz`` replaced raised the constant the output gradients are checked
+    against; ``model_changed`` replaced switched off the per-forward check of constants. They are part of the
+    optimizer's settings now."""
+    x, y = _unit_rows(64, 16, 4)
+    model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), cl.MaxMin(), cl.LipschitzLinear(16, 4))
+    loss = cl.TauCrossEntropy(8.0)
+    model, opt, loader, engine = _made_private(model, loss, x, y, input_bound=1.0)
+    frozen = getattr(opt.guard, name)
+    setattr(opt.guard, name, value)
+    xb, yb = next(iter(loader))
+    if name == "digest_inputs":  # a record in 6 rows: what the digests would have refused
+        xb, yb = xb.clone(), yb.clone()
+        xb[1:6], yb[1:6] = xb[0], yb[0]
+    loss.per_example(model(xb), yb).sum().backward()
+    with pytest.raises(cl.BoundError, match="the step guard's settings changed after make_private"):
+        opt.step()
+    assert engine.accountant.steps == 0
+    setattr(opt.guard, name, frozen)
+    opt.zero_grad()
+    xb, yb = next(iter(loader))
+    loss.per_example(model(xb), yb).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
 
 
 def _declared_owners(*roots):

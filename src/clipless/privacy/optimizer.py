@@ -168,7 +168,10 @@ class DPOptimizer(DeclaredConstants):
                 self.original_optimizer, self.bound_engine, self.bound_engine.input_bound, self.bound_engine.loss,
                 self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),  # their counts: the bounds
                 tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None)
-                      for obj in self._watched))
+                      for obj in self._watched),
+                # what the step guard checks against: the loss constant, the rows per example, the record digests
+                self.guard.loss_lipschitz, self.guard.rows_per_example, self.guard.digest_inputs,
+                self.guard.model_changed)
 
     def audit_replace_plan_(self, plan: NoisePlan) -> None:
         """A deliberate bug for empirical audits only (``clipless audit --noise-scale``): from now on draw the noise
@@ -222,9 +225,9 @@ class DPOptimizer(DeclaredConstants):
         if self._settings() == self._frozen:
             return None
         return ("the private optimizer's noise plan, accountant, noise generator, inner optimizer, batch size, the "
-                "loader's sampler or the input guard's bound changed after make_private (written past their read-only "
-                "guard): the step would draw or account other noise than the run reports; make the model private "
-                "again for other settings")
+                "loader's sampler, the input guard's bound or the step guard's settings changed after make_private "
+                "(written past their read-only guard): the step would draw or account other noise, or check other "
+                "bounds, than the run reports; make the model private again for other settings")
 
     def _check_settings(self) -> None:
         why = self._settings_change()
@@ -321,7 +324,8 @@ class DPOptimizer(DeclaredConstants):
         swapped = [n for n in self._bounded_names if id(state.get(n)) not in self._bounded]
         if swapped:
             return (f"the model's weights ({', '.join(swapped[:4])}) were other tensors than its own (torch.func."
-                    "functional_call, a parameter reassigned): the bounds describe the model's own weights")
+                    "functional_call, a parameter replaced or shared between layers): the bounds describe the "
+                    "model's own weights")
         current = {n: t for n, t in state.items() if n not in self._bounded_names}
         changed = changed_state(current, {n: t for n, t in self._released_state.items() if n in current})
         if not changed:
