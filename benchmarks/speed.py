@@ -49,7 +49,15 @@ METHODS = ("lipschitz", "clipless", "unguarded", "standard", "opacus", "ghost")
 
 
 class _NoChecks:
-    """Stands in for the step guard (clipless.privacy.input_guard.StepGuard) in the 'unguarded' measurement only."""
+    """Stands in for the step guard (clipless.privacy.input_guard.StepGuard) in the 'unguarded' measurement only.
+
+    It keeps the removed guard's settings, which the optimizer compares with their values at make_private."""
+
+    SETTINGS = ("loss_lipschitz", "rows_per_example", "digest_inputs", "model_changed")
+
+    def __init__(self, guard) -> None:
+        for name in self.SETTINGS:
+            setattr(self, name, getattr(guard, name))
 
     def check_step(self, params) -> None:
         pass
@@ -60,7 +68,7 @@ class _NoChecks:
     def clear_gradient_state(self) -> None:
         pass
 
-    def finish_step(self, params) -> None:
+    def finish_step(self, params, weights=None) -> None:
         for p in params:
             p.grad = None
 
@@ -105,7 +113,7 @@ def _build(method: str, model_name: str, batch: int, device: str):
         )
         if method == "unguarded":
             dp_opt.guard.remove()
-            dp_opt.guard = _NoChecks()
+            dp_opt.guard = _NoChecks(dp_opt.guard)
 
         def step() -> None:
             dp_opt.zero_grad()
