@@ -835,6 +835,20 @@ def test_a_backward_changed_inside_the_model_by_a_node_hook_refused():
     _refused(opt, engine, r"layer '0': the summed gradient has a norm above .*the backward was changed")
 
 
+@pytest.mark.parametrize("when", ["before the forward", "before the step"])
+def test_the_sum_check_switched_off_by_hand_is_refused(when):
+    """``opt.guard.sum_check = False`` was a plain attribute: with it, the node hook above released a gradient 100
+    times its certified bound.  Only the white-box step audit switches it off, through its own method."""
+    model, opt, loss, engine, x, y = _setup()
+    if when == "before the forward":
+        opt.guard.sum_check = False
+    out = model(x)
+    out.grad_fn.next_functions[0][0].register_prehook(lambda grads: tuple(100 * g for g in grads))
+    loss.per_example(out, y).sum().backward()
+    opt.guard.sum_check = False
+    _refused(opt, engine, "the step guard's settings changed after make_private")
+
+
 class _UnderDeclaredLinear(cl.LipschitzLinear):
     """Declares a per-example gradient bound 100 times too small: a wrong constant."""
 

@@ -166,7 +166,7 @@ def audit_step(
                             generator=make_generator(noise_seed, stream=2))
     # The audit measures what the declared constants release; the step's own check of the summed gradient
     # against them would refuse a canary beyond an understated bound before the audit could measure it.
-    optimizer.guard.sum_check = False
+    optimizer.audit_skip_sum_check_()
     InputGuard(model, tuple(input_shape), data_bound)
     sampler = make_generator(noise_seed, stream=1)
     crafted_norm = None

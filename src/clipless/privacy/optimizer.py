@@ -169,9 +169,10 @@ class DPOptimizer(DeclaredConstants):
                 self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),  # their counts: the bounds
                 tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None)
                       for obj in self._watched),
-                # what the step guard checks against: the loss constant, the rows per example, the record digests
+                # what the step guard checks against: the loss constant, the rows per example, the record digests,
+                # the summed gradients
                 self.guard.loss_lipschitz, self.guard.rows_per_example, self.guard.digest_inputs,
-                self.guard.model_changed)
+                self.guard.model_changed, self.guard.sum_check)
 
     def audit_replace_plan_(self, plan: NoisePlan) -> None:
         """A deliberate bug for empirical audits only (``clipless audit --noise-scale``): from now on draw the noise
@@ -183,6 +184,13 @@ class DPOptimizer(DeclaredConstants):
         object.__setattr__(self, "plan", dataclasses.replace(plan, step_sigma=accounted.step_sigma,
                                                              sample_rate=accounted.sample_rate,
                                                              max_steps=accounted.max_steps))
+        self._frozen = self._settings()
+
+    def audit_skip_sum_check_(self) -> None:
+        """For the white-box step audit only (``clipless.diagnostics.step_audit``): stop checking the summed
+        gradient against the declared bounds, so that a canary beyond an understated bound is released and
+        measured instead of refused.  The run is then a diagnostic; written past this, the change is refused."""
+        self.guard.sum_check = False
         self._frozen = self._settings()
 
     def _retire_earlier(self, model: torch.nn.Module) -> None:
