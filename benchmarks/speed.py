@@ -53,7 +53,7 @@ class _NoChecks:
 
     It keeps the removed guard's settings, which the optimizer compares with their values at make_private."""
 
-    SETTINGS = ("loss_lipschitz", "rows_per_example", "digest_inputs", "model_changed", "sum_check")
+    SETTINGS = ("loss_lipschitz", "rows_per_example", "digest_inputs", "model_changed", "sum_check", "params")
 
     def __init__(self, guard) -> None:
         for name in self.SETTINGS:

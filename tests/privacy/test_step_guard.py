@@ -849,6 +849,19 @@ def test_the_sum_check_switched_off_by_hand_is_refused(when):
     _refused(opt, engine, "the step guard's settings changed after make_private")
 
 
+def test_the_weights_the_guard_compares_cannot_be_swapped_out():
+    """With ``opt.guard.params = []`` the weights were no longer compared between a forward and the step: a weight
+    doubled for the forward and put back before the step released a per-example gradient of 2.75 against the
+    certified 1.41 (the sum check passed on this batch)."""
+    model, opt, loss, engine, x, y = _setup()
+    opt.guard.params = ()
+    weight = model[2].weight
+    weight.data.mul_(2)
+    loss.per_example(model(x), y).sum().backward()
+    weight.data.div_(2)
+    _refused(opt, engine, "the step guard's settings changed after make_private")
+
+
 class _UnderDeclaredLinear(cl.LipschitzLinear):
     """Declares a per-example gradient bound 100 times too small: a wrong constant."""
 

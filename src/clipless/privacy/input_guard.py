@@ -484,7 +484,7 @@ class StepGuard:
         their weights sum to at most 1 and the example's gradient stays within the per-example bound.
         ``model_changed()``: why the model differs from what the step's bounds will describe (a constant, a buffer),
         or None; asked at each forward, whose backward is then refused."""
-        self.params = list(params)
+        self.params = tuple(params)
         self.rows_per_example = int(rows_per_example)
         self.sum_check = True  # check_sums on (the white-box step audit turns it off to measure a wrong bound)
         self.loss_name = type(loss).__name__ if loss is not None else "loss"

@@ -170,9 +170,9 @@ class DPOptimizer(DeclaredConstants):
                 tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None)
                       for obj in self._watched),
                 # what the step guard checks against: the loss constant, the rows per example, the record digests,
-                # the summed gradients
+                # the summed gradients, the weights it compares between a forward and the step
                 self.guard.loss_lipschitz, self.guard.rows_per_example, self.guard.digest_inputs,
-                self.guard.model_changed, self.guard.sum_check)
+                self.guard.model_changed, self.guard.sum_check, tuple(map(id, self.guard.params)))
 
     def audit_replace_plan_(self, plan: NoisePlan) -> None:
         """A deliberate bug for empirical audits only (``clipless audit --noise-scale``): from now on draw the noise
