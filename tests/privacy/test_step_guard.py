@@ -862,6 +862,22 @@ def test_the_weights_the_guard_compares_cannot_be_swapped_out():
     _refused(opt, engine, "the step guard's settings changed after make_private")
 
 
+@pytest.mark.parametrize("how", ["handle", "hook dict"])
+def test_the_input_guard_taken_off_the_model_is_refused(how):
+    """``engine.guard.remove()`` (a public method then) took the data-bound, precision and compile checks off the
+    model: a record of norm 5 against the input bound 1 released a per-example gradient of 6.87 against the
+    certified 1.41 (the sum check passed on that batch)."""
+    model, opt, loss, engine, x, y = _setup()
+    if how == "handle":
+        engine.guard.handle.remove()
+    else:
+        del model._forward_pre_hooks[engine.guard.handle.id]
+    x = x.clone()
+    x[0] *= 5
+    loss.per_example(model(x), y).sum().backward()
+    _refused(opt, engine, "the input guard's bound or hook, or the step guard's settings changed")
+
+
 class _UnderDeclaredLinear(cl.LipschitzLinear):
     """Declares a per-example gradient bound 100 times too small: a wrong constant."""
 

@@ -326,8 +326,11 @@ class InputGuard(DeclaredConstants, _Guard):
                     "sensitivity would be wrong; clip the data (InputNormClip) or raise input_bound"
                 )
 
-    def remove(self) -> None:
-        self.handle.remove()
+    def attached(self) -> bool:
+        """Whether this hook still checks every forward of the model (``handle.remove()`` or a cleared hook dict
+        would leave the data bound, the precision and the compile checks undone)."""
+        hooks = self.handle.hooks_dict_ref()
+        return hooks is not None and hooks.get(self.handle.id) is self
 
 
 class _ForwardRecord:

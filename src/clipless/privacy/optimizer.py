@@ -24,7 +24,7 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import StepGuard, rows_repeated, unwatched
+from .input_guard import InputGuard, StepGuard, rows_repeated, unwatched
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_
 from .randomness import resume_generator, saved_generator_state, secret_generator
@@ -167,8 +167,8 @@ class DPOptimizer(DeclaredConstants):
         return (self.plan.values(), self.accountant, self.generator,
                 self.original_optimizer, self.bound_engine, self.bound_engine.input_bound, self.bound_engine.loss,
                 self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),  # their counts: the bounds
-                tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None)
-                      for obj in self._watched),
+                tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None,
+                       obj.attached() if isinstance(obj, InputGuard) else None) for obj in self._watched),
                 # what the step guard checks against: the loss constant, the rows per example, the record digests,
                 # the summed gradients, the weights it compares between a forward and the step
                 self.guard.loss_lipschitz, self.guard.rows_per_example, self.guard.digest_inputs,
@@ -233,9 +233,10 @@ class DPOptimizer(DeclaredConstants):
         if self._settings() == self._frozen:
             return None
         return ("the private optimizer's noise plan, accountant, noise generator, inner optimizer, batch size, the "
-                "loader's sampler, the input guard's bound or the step guard's settings changed after make_private "
-                "(written past their read-only guard): the step would draw or account other noise, or check other "
-                "bounds, than the run reports; make the model private again for other settings")
+                "loader's sampler, the input guard's bound or hook, or the step guard's settings changed after "
+                "make_private (written past their read-only guard, a hook removed): the step would draw or account "
+                "other noise, or check other bounds, than the run reports; make the model private again for other "
+                "settings")
 
     def _check_settings(self) -> None:
         why = self._settings_change()
@@ -243,7 +244,7 @@ class DPOptimizer(DeclaredConstants):
             raise BoundError(why)
 
     def watch_batches(self, loader: PoissonDataLoader, external_batches: bool = False,
-                      input_guard: Optional[DeclaredConstants] = None) -> None:
+                      input_guard: Optional[InputGuard] = None) -> None:
         """Each step must then release exactly one new batch of ``loader``.
 
         The accountant composes one Poisson-subsampled Gaussian per step.  Two steps on one batch are not two
@@ -253,7 +254,8 @@ class DPOptimizer(DeclaredConstants):
         fixed-size ``DataLoader`` is not Poisson sampling), unless ``external_batches`` says the caller draws
         Poisson batches at the same rate itself; those, and rows mixing several examples, cannot be checked.
         A refused step spends the batches drawn before it.  The loader's batch sampler (its inclusion rate) and
-        ``input_guard`` (the data bound it checks) are compared with their values now at every step."""
+        ``input_guard`` (the data bound it checks, and that it still checks the forwards) are compared with their
+        values now at every forward and step."""
         self._batches = loader
         self._batches_released = loader.batches_drawn
         self._external_batches = bool(external_batches)
