@@ -147,6 +147,29 @@ def test_the_loaders_count_of_drawn_batches_cannot_be_set():
     _refused(opt, engine, "no new batch was drawn from the private loader")
 
 
+def _doubling(collate):
+    def doubled(items):
+        xb, yb = collate(items)
+        return torch.cat([xb, xb]), torch.cat([yb, yb])
+    return doubled
+
+
+@pytest.mark.parametrize("part", ["batch_sampler", "collate_fn", "dataset"])
+def test_the_loaders_sampler_collate_and_dataset_cannot_be_swapped(part):
+    """Written into the loader's ``__dict__`` (or plainly, for ``collate_fn``), a full-batch sampler released all 96
+    records in one step that the accountant composed at q = 1/6, and a collate that repeats every row released
+    each record of the batch twice: its digests were those of the batch handed out, so the repeated-rows check
+    passed. The loader's parts are part of the optimizer's settings."""
+    model, opt, loss, engine, data, loader = _setup_with_loader()
+    swapped = {"batch_sampler": torch.utils.data.BatchSampler(range(len(data)), len(data), False),
+               "collate_fn": _doubling(loader.collate_fn),
+               "dataset": cl.ArrayDataset(data.features.clone(), data.labels.clone())}[part]
+    loader.__dict__[part] = swapped
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    _refused(opt, engine, "the loader's sampler, collate or dataset")
+
+
 @pytest.mark.parametrize("source", ["shuffled_dataloader", "hand_built"])
 def test_a_batch_not_drawn_from_the_private_loader_is_refused(source):
     """A user's own ``DataLoader(data, batch_size=16, shuffle=True)`` samples without replacement at a fixed

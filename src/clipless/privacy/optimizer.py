@@ -169,6 +169,10 @@ class DPOptimizer(DeclaredConstants):
                 self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),  # their counts: the bounds
                 tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None,
                        obj.attached() if isinstance(obj, InputGuard) else None) for obj in self._watched),
+                # the loader draws with its batch sampler, collates and reads the records with these objects (a
+                # sampler swapped in draws at another rate; a collate repeating rows passes the digest check)
+                None if self._batches is None else (self._batches.batch_sampler, self._batches.collate_fn,
+                                                    self._batches.dataset),
                 # what the step guard checks against: the loss constant, the rows per example, the record digests,
                 # the summed gradients, the weights it compares between a forward and the step
                 self.guard.loss_lipschitz, self.guard.rows_per_example, self.guard.digest_inputs,
@@ -233,10 +237,10 @@ class DPOptimizer(DeclaredConstants):
         if self._settings() == self._frozen:
             return None
         return ("the private optimizer's noise plan, accountant, noise generator, inner optimizer, batch size, the "
-                "loader's sampler, the input guard's bound or hook, or the step guard's settings changed after "
-                "make_private (written past their read-only guard, a hook removed): the step would draw or account "
-                "other noise, or check other bounds, than the run reports; make the model private again for other "
-                "settings")
+                "loader's sampler, collate or dataset, the input guard's bound or hook, or the step guard's settings "
+                "changed after make_private (written past their read-only guard, a hook removed): the step would "
+                "draw or account other noise, or check other bounds, than the run reports; make the model private "
+                "again for other settings")
 
     def _check_settings(self) -> None:
         why = self._settings_change()
@@ -256,10 +260,10 @@ class DPOptimizer(DeclaredConstants):
         A refused step spends the batches drawn before it.  The loader's batch sampler (its inclusion rate) and
         ``input_guard`` (the data bound it checks, and that it still checks the forwards) are compared with their
         values now at every forward and step."""
+        self._check_settings()  # a new snapshot must not hide a change made before it
         self._batches = loader
         self._batches_released = loader.batches_drawn
         self._external_batches = bool(external_batches)
-        self._check_settings()  # a new snapshot must not hide a change made before it
         self.guard.digest_inputs = True  # the rows of its batches are checked against the forwards' inputs
         self._watched = (loader.batch_sampler, input_guard)
         self._frozen = self._settings()
