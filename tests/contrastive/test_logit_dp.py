@@ -697,6 +697,17 @@ def _trainer(method: str, **kw) -> ContrastivePretrainer:
     return ContrastivePretrainer(enc, torch.optim.Adam(enc.parameters(), lr=lr), pairs, **opts)
 
 
+def test_the_pretrainers_loader_parts_cannot_be_swapped() -> None:
+    """A full-batch sampler written into the pre-trainer's loader (past ``DataLoader``'s guard) ran every step on all
+    pairs while the accountant composed Poisson steps at q = 128 / n."""
+    t = _trainer("logit_dp", epochs=1)
+    n = len(t.pairs)
+    t.loader.__dict__["batch_sampler"] = torch.utils.data.BatchSampler(range(n), n, False)
+    with pytest.raises(ValueError, match="sampling and its loader's parts"):
+        t.fit()
+    assert t.accountant.steps == 0
+
+
 def test_trainer_epsilon_matches_accountant_and_target() -> None:
     t = _trainer("logit_dp", target_epsilon=3.0, noise_multiplier=None)
     result = t.fit()

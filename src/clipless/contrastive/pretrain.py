@@ -315,15 +315,15 @@ class ContrastivePretrainer(DeclaredConstants):
         """What each step's clipping, noise and accounting use, as values and objects (compared by identity: a deep
         copy of the pre-trainer copies them with the snapshot)."""
         return (self.method, self.loss, self.tau, self.clip_norm, self.batch_size, self.delta, self.noise_seed,
-                self.sample_rate, self.sigma, self.sensitivity, self.accountant, self.loader, self.noise_generator,
-                None if self.plan is None else self.plan.values())
+                self.sample_rate, self.sigma, self.sensitivity, self.accountant, self.loader, self.loader.parts(),
+                self.noise_generator, None if self.plan is None else self.plan.values())
 
     def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
         if self._settings() != self._frozen:  # a write to the instance's __dict__ passes the read-only guard
             raise ValueError("the pre-trainer's privacy settings (method, loss, tau, clip norm, noise multiplier, "
-                             "sensitivity, sampling, accountant or noise generator) changed after it was built: a step "
-                             "would clip, noise or account otherwise than its epsilon says; build a new pre-trainer "
-                             "for other settings")
+                             "sensitivity, sampling and its loader's parts, accountant or noise generator) changed "
+                             "after it was built: a step would clip, noise or account otherwise than its epsilon says; "
+                             "build a new pre-trainer for other settings")
         self.encoder.train()
         before = self._released
         self._check_optimizer()

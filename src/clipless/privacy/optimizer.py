@@ -169,10 +169,7 @@ class DPOptimizer(DeclaredConstants):
                 self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),  # their counts: the bounds
                 tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None,
                        obj.attached() if isinstance(obj, InputGuard) else None) for obj in self._watched),
-                # the loader draws with its batch sampler, collates and reads the records with these objects (a
-                # sampler swapped in draws at another rate; a collate repeating rows passes the digest check)
-                None if self._batches is None else (self._batches.batch_sampler, self._batches.collate_fn,
-                                                    self._batches.dataset),
+                None if self._batches is None else self._batches.parts(),
                 # what the step guard checks against: the loss constant, the rows per example, the record digests,
                 # the summed gradients, the weights it compares between a forward and the step
                 self.guard.loss_lipschitz, self.guard.rows_per_example, self.guard.digest_inputs,

@@ -171,7 +171,7 @@ def poisson_data_loader(
     steps_per_epoch: Optional[int] = None,
     num_workers: int = 0,
     batch_sampler: Optional[Sampler[List[int]]] = None,
-) -> DataLoader:
+) -> PoissonDataLoader:
     """A ``DataLoader`` over ``dataset`` with Poisson batches (possibly empty); ``batch_sampler`` replaces the
     one-process sampler (a rank's part of a distributed Poisson batch)."""
     sampler = batch_sampler if batch_sampler is not None else PoissonBatchSampler(
@@ -209,6 +209,12 @@ class PoissonDataLoader(DataLoader):
         """(per-row shape, row digests) of each tensor of that batch: the private step checks that no record
         entered its forwards in more rows than the batch holds it."""
         return self._last_batch_digests
+
+    def parts(self) -> Tuple[Any, Any, Any]:
+        """The batch sampler, collate function and dataset its batches come from, for an identity check: written
+        into ``__dict__`` past ``DataLoader``'s guard, a sampler draws at another rate than the accountant's, and a
+        collate that repeats rows makes each record count several times in a batch its digests call drawn."""
+        return self.batch_sampler, self.collate_fn, self.dataset
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for batch in super().__iter__():
