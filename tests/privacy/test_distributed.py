@@ -277,6 +277,25 @@ def test_logit_dp_refuses_a_process_group() -> None:
     assert all("one process" in r["refused"] for r in _run("one-process-only"))
 
 
+def test_a_ranks_records_cannot_be_rewritten() -> None:
+    """``sampler.shard = torch.arange(n)`` on a rank drew from all records (51 of 100 at q = 0.5, a world of 4): a
+    record could enter up to W parts of one step's batch, W times its sensitivity.  The shard is computed from
+    the rank and world size, which are declared constants checked at every draw."""
+    sampler = DistributedPoissonBatchSampler(100, 0.5, 0, 4, 2)
+    with pytest.raises(AttributeError, match="no setter"):
+        sampler.shard = torch.arange(100)
+    for name, value in (("rank", 1), ("world_size", 1)):
+        with pytest.raises(AttributeError, match="declared constant"):
+            setattr(sampler, name, value)
+        sampler = DistributedPoissonBatchSampler(100, 0.5, 0, 4, 2)
+        sampler.__dict__[name] = value
+        with pytest.raises(cl.BoundError, match=f"the Poisson sampler's {name} changed"):
+            next(iter(sampler))
+    sampler = DistributedPoissonBatchSampler(100, 0.5, 0, 4, 2)
+    sampler.__dict__["shard"] = torch.arange(100)  # the property wins over the instance's dict
+    assert all(i % 4 == 0 for _ in range(20) for i in next(iter(sampler)))
+
+
 def test_distributed_sampler_is_one_poisson_sample() -> None:
     n, q, steps = 1001, 0.1, 600
     samplers = [DistributedPoissonBatchSampler(n, q, r, 2, steps) for r in range(2)]

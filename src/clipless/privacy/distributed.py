@@ -130,14 +130,23 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
     ``len`` is the number of steps per epoch, the same on every rank (``round(1/q)`` by default).
     """
 
+    # the rank's records too: a shard written over by hand (all records on every rank) would put a record in up to
+    # W parts of one step's batch
+    constants = PoissonBatchSampler.constants + ("rank", "world_size")
+
     def __init__(self, num_samples: int, sample_rate: float, rank: int, world_size: int,
                  steps_per_epoch: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
         if not (0 <= rank < world_size):
             raise ValueError(f"rank {rank} outside a world of {world_size}")
-        super().__init__(num_samples, sample_rate, steps_per_epoch, generator)
-        self.rank, self.world_size = rank, world_size
-        self.shard = torch.arange(rank, num_samples, world_size)
+        self.rank, self.world_size = int(rank), int(world_size)
+        super().__init__(num_samples, sample_rate, steps_per_epoch, generator)  # records the constants
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """The records this rank holds, from the declared constants (never stored: nothing to overwrite)."""
+        return torch.arange(self.rank, self.num_samples, self.world_size)
 
     def __iter__(self) -> Iterator[List[int]]:
+        shard = self.shard
         for _ in range(self.steps_per_epoch):
-            yield self.shard[self._mask(len(self.shard))].tolist()
+            yield shard[self._mask(len(shard))].tolist()
