@@ -475,6 +475,26 @@ def test_a_forward_with_other_weights_through_functional_call_is_refused_by_name
     _refused_then_released(opt, engine, model, loss, x[:16], y[:16], why)
 
 
+def test_the_augmentation_multiplicity_and_rank_are_checked_every_forward_and_step():
+    """``opt.__dict__["augmentation_multiplicity"] = 6`` let each record of the batch enter the backward in 6 rows
+    at full weight (the step guard still weighed rows for K = 1): released.  The rank decides which process draws
+    the noise of a distributed step.  Both are part of the optimizer's settings now."""
+    x, y = _unit_rows(64, 16, 4)
+    model = torch.nn.Sequential(cl.LipschitzLinear(16, 16), cl.MaxMin(), cl.LipschitzLinear(16, 4))
+    loss = cl.TauCrossEntropy(8.0)
+    model, opt, loader, engine = _made_private(model, loss, x, y, input_bound=1.0)
+    for name, value, repeats in (("augmentation_multiplicity", 6, 6), ("rank", 1, 1)):
+        frozen = opt.__dict__[name]
+        opt.__dict__[name] = value
+        xb, yb = next(iter(loader))
+        loss.per_example(model(xb.repeat(repeats, 1)), yb.repeat(repeats)).sum().backward()
+        with pytest.raises(cl.BoundError, match=r"settings \(.*augmentation multiplicity, rank\)"):
+            opt.step()
+        assert engine.accountant.steps == 0
+        opt.__dict__[name] = frozen
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("name, value", [("digest_inputs", False), ("loss_lipschitz", lambda: 1e9),
                                          ("model_changed", lambda: None)])
 def test_the_step_guards_settings_are_checked_every_forward_and_step(name, value):

@@ -88,7 +88,7 @@ class DPOptimizer(DeclaredConstants):
     # or generator would draw or count other noise than the run reports); each step also checks them against the
     # values frozen at construction (a write to the instance's __dict__ passes the read-only guard).
     constants = ("original_optimizer", "bound_engine", "plan", "expected_batch_size", "sample_rate", "accountant",
-                 "step_mechanisms", "augmentation_multiplicity", "generator")
+                 "step_mechanisms", "augmentation_multiplicity", "generator", "rank", "world_size")
 
     def __init__(
         self,
@@ -167,6 +167,7 @@ class DPOptimizer(DeclaredConstants):
         return (self.plan.values(), self.accountant, self.generator,
                 self.original_optimizer, self.bound_engine, self.bound_engine.input_bound, self.bound_engine.loss,
                 self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),  # their counts: the bounds
+                self.augmentation_multiplicity, self.rank, self.world_size,  # rows per record; which rank draws noise
                 tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None,
                        obj.attached() if isinstance(obj, InputGuard) else None) for obj in self._watched),
                 None if self._batches is None else self._batches.parts(),
@@ -233,11 +234,11 @@ class DPOptimizer(DeclaredConstants):
     def _settings_change(self) -> Optional[str]:
         if self._settings() == self._frozen:
             return None
-        return ("the private optimizer's noise plan, accountant, noise generator, inner optimizer, batch size, the "
-                "loader's sampler, collate or dataset, the input guard's bound or hook, or the step guard's settings "
-                "changed after make_private (written past their read-only guard, a hook removed): the step would "
-                "draw or account other noise, or check other bounds, than the run reports; make the model private "
-                "again for other settings")
+        return ("the private optimizer's settings (noise plan, accountant, noise generator, inner optimizer, batch "
+                "size, augmentation multiplicity, rank), the loader's sampler, collate or dataset, the input guard's "
+                "bound or hook, or the step guard's settings changed after make_private (written past their "
+                "read-only guard, a hook removed): the step would draw or account other noise, or check other "
+                "bounds, than the run reports; make the model private again for other settings")
 
     def _check_settings(self) -> None:
         why = self._settings_change()
