@@ -164,10 +164,9 @@ class DPOptimizer(DeclaredConstants):
     def _settings(self) -> Tuple[Any, ...]:
         """What each step's noise and accounting use: the plan's values, and objects compared by identity (a deep
         copy of the optimizer copies them with the snapshot)."""
-        return (self.plan.values(), self.accountant, self.generator,
-                self.original_optimizer, self.bound_engine, self.bound_engine.input_bound, self.bound_engine.loss,
-                self.expected_batch_size, self.sample_rate, tuple(self.step_mechanisms),  # their counts: the bounds
-                self.augmentation_multiplicity, self.rank, self.world_size,  # rows per record; which rank draws noise
+        return (self.declared_values(),  # every declared constant: a write into __dict__ passes the read-only guard
+                self.plan.values(), tuple(self.step_mechanisms),  # fields and list items changed in place
+                self.bound_engine.input_bound, self.bound_engine.loss,
                 tuple((obj, obj.declared_values() if isinstance(obj, DeclaredConstants) else None,
                        obj.attached() if isinstance(obj, InputGuard) else None) for obj in self._watched),
                 None if self._batches is None else self._batches.parts(),
