@@ -168,6 +168,31 @@ def test_the_trainers_label_settings_written_into_its_dict_are_refused(name, val
     assert not (tmp_path / "ckpt.pt").exists()
 
 
+@pytest.mark.parametrize("how", ["trainer", "engine"])
+def test_a_privacy_engine_or_accountant_swapped_in_is_refused(how, tmp_path):
+    """``trainer.privacy_engine = PrivacyEngine()`` (a plain attribute then) made ``epsilon()`` report 0.0 after a
+    run that spent 2.0; an accountant written into the engine's ``__dict__`` did the same through
+    ``PrivacyEngine.get_epsilon``. The engine is a declared constant of the trainer, and the engine checks its
+    accountant before it reports or makes a model private."""
+    trainer = digits_trainer(epochs=1)
+    trainer.fit()
+    if how == "trainer":
+        with pytest.raises(AttributeError, match="declared constant"):
+            trainer.privacy_engine = cl.PrivacyEngine()
+        trainer.__dict__["privacy_engine"] = cl.PrivacyEngine()
+        why = "the trainer's privacy_engine changed after it was built"
+    else:
+        trainer.privacy_engine.__dict__["accountant"] = cl.privacy.PrivacyAccountant("pld")
+        why = "the privacy engine's accountant was replaced"
+        with pytest.raises(cl.BoundError, match=why):
+            trainer.privacy_engine.get_epsilon(1e-5)
+    with pytest.raises(cl.BoundError, match=why):
+        trainer.epsilon()
+    with pytest.raises(cl.BoundError, match=why):
+        trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     straight = digits_trainer(epochs=4)
     straight.fit()

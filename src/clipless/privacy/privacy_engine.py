@@ -81,6 +81,15 @@ class PrivacyEngine(DeclaredConstants):
 
     def __init__(self, accountant: str = "pld") -> None:
         self.accountant = PrivacyAccountant(accountant)
+        self.record_declared()
+
+    def check_accountant(self) -> None:
+        """Refuse an accountant written into ``__dict__`` past the read-only guard: a fresh one reports the
+        epsilon of no step, and the steps of the models made private go on composing in the original."""
+        if self.declared_changes():
+            raise BoundError("the privacy engine's accountant was replaced after it was built (written past its "
+                             "read-only guard): its epsilon would not be that of the steps taken; build a new "
+                             "PrivacyEngine for another accountant")
 
     def make_private(
         self,
@@ -128,6 +137,7 @@ class PrivacyEngine(DeclaredConstants):
         that check for a loop that draws Poisson batches at rate ``batch_size / len(data)`` by other means
         (the accountant assumes it does; nothing can check it).
         """
+        self.check_accountant()
         if not isinstance(loss, LipschitzLoss):
             raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
         input_shape = check_input_shape(input_shape)
@@ -218,4 +228,5 @@ class PrivacyEngine(DeclaredConstants):
         return self.make_private(target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, **kwargs)
 
     def get_epsilon(self, delta: float) -> float:
+        self.check_accountant()
         return self.accountant.get_epsilon(delta)

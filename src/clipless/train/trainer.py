@@ -81,8 +81,10 @@ class PrivateTrainer(DeclaredConstants):
     """
 
     # What its epsilon and its privacy label are computed from: set once (a changed delta would report another
-    # epsilon, a changed noise_seed another label, than the run's noise and batches have).
-    constants = ("delta", "target_epsilon", "noise_seed", "sample_rate", "strategy")
+    # epsilon, a changed noise_seed another label, a new privacy engine the epsilon of no step, than the run's
+    # noise and batches have).
+    constants = ("delta", "target_epsilon", "noise_seed", "sample_rate", "strategy", "privacy_engine", "optimizer",
+                 "loader")
 
     def __init__(
         self,
@@ -191,7 +193,8 @@ class PrivateTrainer(DeclaredConstants):
     def _check_settings(self) -> None:
         """The settings the epsilon and the randomness label are computed from are still those the run was built
         with (a write into ``__dict__`` passes the read-only guard: ``noise_seed`` set to None would label a seeded
-        run "os-entropy")."""
+        run "os-entropy"; a fresh accountant written into the engine's would report the epsilon of no step)."""
+        self.privacy_engine.check_accountant()
         changed = self.declared_changes()
         if changed:
             raise BoundError(f"the trainer's {', '.join(changed)} changed after it was built (written past the "
