@@ -80,6 +80,28 @@ def test_summed_gradient_divided_by_expected_batch_size():
         assert p.grad is None  # cleared after the step: the next one needs a new batch
 
 
+def test_a_gradient_held_from_before_make_private_is_not_released():
+    """A backward on 2 records before make_private (a check or warm-up step, no zero_grad) left its gradient in the
+    weights, and the first private step released it added to the batch's: records of no batch, without noise
+    (the sum check refuses only a sum too large for the batch). make_private drops gradients held from before."""
+    torch.manual_seed(0)
+    x = torch.rand(64, *SHAPE)
+    y = torch.randint(0, 3, (64,))
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=2.0)
+    loss = cl.TauCrossEntropy(4.0)
+    loss.per_example(model(x[:2]), y[:2]).sum().backward()
+    model, opt, _ = cl.PrivacyEngine("rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data=cl.ArrayDataset(x, y), loss=loss,
+        noise_multiplier=1e-12, input_shape=SHAPE, batch_size=8.0, external_batches=True)
+    xb, yb = x[40:45], y[40:45]
+    summed = torch.autograd.grad(loss.per_example(model(xb), yb).sum(), list(model.parameters()))
+    released = capture_released(opt)
+    loss.per_example(model(xb), yb).sum().backward()
+    opt.step()
+    for p, s in zip(model.parameters(), summed):
+        assert torch.allclose(released[0][id(p)], s / 8.0, atol=1e-7)
+
+
 def test_accountant_steps_once_per_step_with_effective_sigma():
     model, opt, _, loss, engine, _ = small_setup(noise=1.3, batch_size=8.0)
     for _ in range(5):

@@ -143,6 +143,10 @@ class DPOptimizer(DeclaredConstants):
         self.last_report: Optional[BoundReport] = report
         self.last_noise_std: Dict[str, float] = {}
         bound_engine.project_()  # start from feasible weights
+        # A gradient held from before (a check or warm-up backward, an earlier private optimizer's unstepped batch)
+        # was computed without noise from records of no Poisson batch: the first step would add it to its own.
+        for p in [*bound_engine.model.parameters(), *(q for g in optimizer.param_groups for q in g["params"])]:
+            p.grad = None
         self._released_state = self._snapshot_released()  # only a private step may change it
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
