@@ -183,7 +183,7 @@ def test_a_privacy_engine_or_accountant_swapped_in_is_refused(how, tmp_path):
         why = "the trainer's privacy_engine changed after it was built"
     else:
         trainer.privacy_engine.__dict__["accountant"] = cl.privacy.PrivacyAccountant("pld")
-        why = "the privacy engine's accountant was replaced"
+        why = "the privacy engine's accountant changed after it was built"
         with pytest.raises(cl.BoundError, match=why):
             trainer.privacy_engine.get_epsilon(1e-5)
     with pytest.raises(cl.BoundError, match=why):

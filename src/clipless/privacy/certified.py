@@ -55,6 +55,14 @@ class DeclaredConstants:
         return [name for (name, now), (_, then) in zip(self.declared_values(), self._recorded_values)
                 if now is not then and now != then]
 
+    def check_declared(self, owner: str, consequence: str) -> None:
+        """Refuse, naming them, declared constants changed since :meth:`record_declared` (``owner``: who holds them,
+        ``consequence``: what would be wrong)."""
+        changed = self.declared_changes()
+        if changed:
+            raise BoundError(f"{owner}'s {', '.join(changed)} changed after it was built (written past its read-only "
+                             f"guard): {consequence}")
+
 
 def certified_spectral_norm(matrix: torch.Tensor, shortcut: bool = True) -> float:
     """Certified upper bound on ``||matrix||_2`` (largest singular value).

@@ -86,10 +86,8 @@ class PrivacyEngine(DeclaredConstants):
     def check_accountant(self) -> None:
         """Refuse an accountant written into ``__dict__`` past the read-only guard: a fresh one reports the
         epsilon of no step, and the steps of the models made private go on composing in the original."""
-        if self.declared_changes():
-            raise BoundError("the privacy engine's accountant was replaced after it was built (written past its "
-                             "read-only guard): its epsilon would not be that of the steps taken; build a new "
-                             "PrivacyEngine for another accountant")
+        self.check_declared("the privacy engine", "its epsilon would not be that of the steps taken; build a new "
+                            "PrivacyEngine for another accountant")
 
     def make_private(
         self,

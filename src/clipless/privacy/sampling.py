@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from .input_guard import batch_row_digests
-from .certified import BoundError, DeclaredConstants
+from .certified import DeclaredConstants
 from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
@@ -105,10 +105,7 @@ class PoissonBatchSampler(DeclaredConstants, Sampler[List[int]]):
     def _mask(self, num_samples: int) -> torch.Tensor:
         """One Poisson draw, refused if a constant was written past the read-only guard (the optimizer's check at
         the step would not see a rate raised for the draw and put back before it)."""
-        changed = self.declared_changes()
-        if changed:
-            raise BoundError(f"the Poisson sampler's {', '.join(changed)} changed after it was built (written past "
-                             "its read-only guard): its batches would not be the samples the accountant composes")
+        self.check_declared("the Poisson sampler", "its batches would not be the samples the accountant composes")
         return poisson_mask(num_samples, self.threshold, self.generator)
 
     def __iter__(self) -> Iterator[List[int]]:

@@ -23,7 +23,6 @@ from ..data.augment import ImageAugmentation
 from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
-from ..privacy.certified import BoundError
 from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine
@@ -195,11 +194,8 @@ class PrivateTrainer(DeclaredConstants):
         with (a write into ``__dict__`` passes the read-only guard: ``noise_seed`` set to None would label a seeded
         run "os-entropy"; a fresh accountant written into the engine's would report the epsilon of no step)."""
         self.privacy_engine.check_accountant()
-        changed = self.declared_changes()
-        if changed:
-            raise BoundError(f"the trainer's {', '.join(changed)} changed after it was built (written past the "
-                             "read-only guard): its epsilon or randomness label would describe another run; build a "
-                             "new PrivateTrainer for other settings")
+        self.check_declared("the trainer", "its epsilon or randomness label would describe another run; build a new "
+                            "PrivateTrainer for other settings")
 
     @torch.no_grad()
     def _update_average(self) -> None:
