@@ -688,6 +688,7 @@ def test_eval_pairs_of_the_training_images_refused():
 
 def _trainer(method: str, **kw) -> ContrastivePretrainer:
     data, pairs = _digits_pairs()
+    pairs = kw.pop("pairs", pairs)
     torch.manual_seed(0)
     enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
     opts = dict(method=method, batch_size=128, epochs=2, delta=1e-4, noise_multiplier=1.0, noise_seed=0,
@@ -706,6 +707,18 @@ def test_the_pretrainers_loader_parts_cannot_be_swapped() -> None:
     with pytest.raises(ValueError, match="sampling and its loader's parts"):
         t.fit()
     assert t.accountant.steps == 0
+
+
+def test_the_training_pairs_swapped_in_as_eval_pairs_are_refused() -> None:
+    """``t.eval_pairs = t.pairs`` after construction (past ``check_held_out``) logged the training pairs' loss
+    without noise as the held-out loss. The pairs are declared constants, checked before a held-out loss."""
+    t = _trainer("logit_dp", epochs=1)
+    with pytest.raises(AttributeError, match="declared constant"):
+        t.eval_pairs = t.pairs
+    t.__dict__["eval_pairs"] = t.pairs
+    with pytest.raises(ValueError, match="training or held-out pairs"):
+        t.fit()
+    assert t.history == [] and t.accountant.steps == 0
 
 
 def test_trainer_epsilon_matches_accountant_and_target() -> None:
@@ -854,8 +867,8 @@ def test_a_pretraining_resume_on_other_records_is_refused(tmp_path) -> None:
     first.save_checkpoint(tmp_path / "c.pt")
     assert first.pairs.fingerprint() not in repr(load_checkpoint(tmp_path / "c.pt"))  # keyed, not plain
     _trainer("naive_dp", epochs=1).load_checkpoint(tmp_path / "c.pt")  # the same records: resumes
-    other = _trainer("naive_dp", epochs=1)
-    other.pairs = AugmentedPairs(other.pairs.images.flip(0), 1, False)  # the same records, another order
+    flipped = AugmentedPairs(first.pairs.images.flip(0), 1, False)  # the same records, another order
+    other = _trainer("naive_dp", epochs=1, pairs=flipped)
     with pytest.raises(ValueError, match="train_data=.*resume with the same records in the same order"):
         other.load_checkpoint(tmp_path / "c.pt")
     fingerprint_key_path(tmp_path / "c.pt").unlink()

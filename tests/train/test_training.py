@@ -193,6 +193,18 @@ def test_a_privacy_engine_or_accountant_swapped_in_is_refused(how, tmp_path):
     assert not (tmp_path / "ckpt.pt").exists()
 
 
+def test_the_training_data_swapped_in_as_test_data_is_refused():
+    """``trainer.test_data = train_data`` after construction (past ``check_held_out``) logged and saved a
+    "test_accuracy" computed on the training records without noise. The data are declared constants now."""
+    trainer = digits_trainer(epochs=1)
+    with pytest.raises(AttributeError, match="declared constant"):
+        trainer.test_data = trainer.train_data
+    trainer.__dict__["test_data"] = trainer.train_data
+    with pytest.raises(cl.BoundError, match="the trainer's test_data changed after it was built"):
+        trainer.fit()
+    assert trainer.steps == 0 and trainer.history == []
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     straight = digits_trainer(epochs=4)
     straight.fit()

@@ -178,7 +178,7 @@ class ContrastivePretrainer(DeclaredConstants):
     # What its clipping, noise, accounting and privacy label rest on: set once, then read-only; each step also
     # checks them against their values at construction.
     constants = ("method", "loss", "tau", "clip_norm", "batch_size", "delta", "noise_seed", "sample_rate", "accountant",
-                 "plan", "sigma", "sensitivity", "loader", "noise_generator")
+                 "plan", "sigma", "sensitivity", "loader", "noise_generator", "pairs", "eval_pairs")
 
     def __init__(
         self,
@@ -316,14 +316,18 @@ class ContrastivePretrainer(DeclaredConstants):
         copy of the pre-trainer copies them with the snapshot)."""
         return (self.method, self.loss, self.tau, self.clip_norm, self.batch_size, self.delta, self.noise_seed,
                 self.sample_rate, self.sigma, self.sensitivity, self.accountant, self.loader, self.loader.parts(),
-                self.noise_generator, None if self.plan is None else self.plan.values())
+                self.noise_generator, None if self.plan is None else self.plan.values(), self.pairs, self.eval_pairs)
 
-    def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
+    def _check_settings(self) -> None:
         if self._settings() != self._frozen:  # a write to the instance's __dict__ passes the read-only guard
             raise ValueError("the pre-trainer's privacy settings (method, loss, tau, clip norm, noise multiplier, "
-                             "sensitivity, sampling and its loader's parts, accountant or noise generator) changed "
-                             "after it was built: a step would clip, noise or account otherwise than its epsilon says; "
-                             "build a new pre-trainer for other settings")
+                             "sensitivity, sampling and its loader's parts, accountant, noise generator, training or "
+                             "held-out pairs) changed after it was built: a step would clip, noise or account "
+                             "otherwise than its epsilon says, or a held-out loss be computed on other pairs; build a "
+                             "new pre-trainer for other settings")
+
+    def _step(self, xa: torch.Tensor, xb: torch.Tensor) -> Dict[str, float]:
+        self._check_settings()
         self.encoder.train()
         before = self._released
         self._check_optimizer()
@@ -365,6 +369,7 @@ class ContrastivePretrainer(DeclaredConstants):
     @torch.no_grad()
     def eval_loss(self) -> Optional[float]:
         """Mean per-pair loss on ``eval_pairs`` in batches of the expected batch size."""
+        self._check_settings()  # the training pairs written in as eval_pairs would publish their loss without noise
         if self.eval_pairs is None:
             return None
         self.encoder.eval()

@@ -79,11 +79,11 @@ class PrivateTrainer(DeclaredConstants):
     during training and stops with :class:`~clipless.BoundError` if one exceeds them.
     """
 
-    # What its epsilon and its privacy label are computed from: set once (a changed delta would report another
-    # epsilon, a changed noise_seed another label, a new privacy engine the epsilon of no step, than the run's
-    # noise and batches have).
+    # What its epsilon, its privacy label and its test score are computed from: set once (a changed delta would
+    # report another epsilon, a changed noise_seed another label, a new privacy engine the epsilon of no step, than
+    # the run's noise and batches have; the training data as test_data a score without noise).
     constants = ("delta", "target_epsilon", "noise_seed", "sample_rate", "strategy", "privacy_engine", "optimizer",
-                 "loader")
+                 "loader", "train_data", "test_data")
 
     def __init__(
         self,
@@ -192,10 +192,11 @@ class PrivateTrainer(DeclaredConstants):
     def _check_settings(self) -> None:
         """The settings the epsilon and the randomness label are computed from are still those the run was built
         with (a write into ``__dict__`` passes the read-only guard: ``noise_seed`` set to None would label a seeded
-        run "os-entropy"; a fresh accountant written into the engine's would report the epsilon of no step)."""
+        run "os-entropy"; a fresh accountant written into the engine's would report the epsilon of no step; the
+        training data as ``test_data`` would publish a score computed without noise)."""
         self.privacy_engine.check_accountant()
-        self.check_declared("the trainer", "its epsilon or randomness label would describe another run; build a new "
-                            "PrivateTrainer for other settings")
+        self.check_declared("the trainer", "its epsilon, randomness label or test score would describe another run; "
+                            "build a new PrivateTrainer for other settings")
 
     @torch.no_grad()
     def _update_average(self) -> None:
@@ -263,6 +264,7 @@ class PrivateTrainer(DeclaredConstants):
 
     def fit(self) -> TrainResult:
         """Train until the planned epochs or the privacy budget run out."""
+        self._check_settings()
         while self.steps < self.max_steps:
             start = time.perf_counter()
             stats = self._train_epoch()
