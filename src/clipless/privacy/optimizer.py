@@ -145,8 +145,8 @@ class DPOptimizer(DeclaredConstants):
         bound_engine.project_()  # start from feasible weights
         # A gradient held from before (a check or warm-up backward, an earlier private optimizer's unstepped batch)
         # was computed without noise from records of no Poisson batch: the first step would add it to its own.
-        for p in [*bound_engine.model.parameters(), *(q for g in optimizer.param_groups for q in g["params"])]:
-            p.grad = None
+        bound_engine.model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         self._released_state = self._snapshot_released()  # only a private step may change it
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
