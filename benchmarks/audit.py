@@ -61,7 +61,8 @@ def one_run_rows(args) -> list:
     start = time.perf_counter()
     data = scattering_split(cl.load_mnist(args.data_dir), radius=1.0, progress=args.progress)
     print(f"  scattering features: {time.perf_counter() - start:.0f} s", flush=True)
-    rest, cx, cy = mislabelled_canaries(data.train, args.canaries, torch.Generator().manual_seed(args.seed))
+    rest, cx, cy = mislabelled_canaries(data.train, args.canaries, data.num_classes,
+                                         torch.Generator().manual_seed(args.seed))
     rows = []
     for eps in args.one_run_epsilons:
         info: dict = {}

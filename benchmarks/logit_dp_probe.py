@@ -181,7 +181,7 @@ def main() -> None:
         x, y = data.train.features, data.train.labels
         cut = n - args.validation
         data = DataSplit(ArrayDataset(x[:cut], y[:cut]), ArrayDataset(x[cut:], y[cut:]), data.name + "-validation",
-                         data.coordinate_bound)
+                         data.coordinate_bound, data.num_classes)
     runs = []
     for seed in args.seeds:
         for method in args.methods:

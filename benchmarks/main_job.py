@@ -45,8 +45,9 @@ def _split(data, seed: int = 0, fit_size: int = None):
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     cut = int(0.8 * len(y)) if fit_size is None else fit_size
     fit, val = perm[:cut], perm[cut:]
+    # the same pixels and classes: the same input bound and output width
     return DataSplit(ArrayDataset(x[fit], y[fit]), ArrayDataset(x[val], y[val]), data.name,
-                     data.coordinate_bound)  # the same pixels: the same input bound
+                     data.coordinate_bound, data.num_classes)
 
 
 def run(method: str, data, cfg: dict, epsilon: float, seed: int) -> float:

@@ -125,6 +125,31 @@ def test_mnist_labels_outside_0_to_9_refused(tmp_path):
              r"train-labels-idx1-ubyte.gz holds labels outside 0-9 \(e.g. 200\)")
 
 
+def test_idx_classes_are_declared_or_read_from_the_held_out_labels(tmp_path):
+    """The model's output width is released with it: a label that only a training record holds is refused, not
+    counted; ``--num-classes`` declares the classes, and both neighbouring datasets then train the same width."""
+    from clipless.data.datasets import write_idx
+    from clipless.train.checkpoint import load_checkpoint
+
+    d = tmp_path / "idx"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, labels in (("train", [*range(3)] * 20 + [3]), ("t10k", [*range(3)] * 4)):
+        write_idx(d / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (len(labels), 8, 8)).astype(np.uint8))
+        write_idx(d / f"{prefix}-labels-idx1-ubyte", np.asarray(labels, dtype=np.uint8))
+    data = ["--dataset", "idx", "--data-dir", str(d), "--features", "none", "--batch-size", "16"]
+    _refused(["train", *FAST, *data, "--output-dir", str(tmp_path / "a")],
+             r"training labels lie outside 0-2 .*--num-classes")
+    out = tmp_path / "b"
+    assert main(["train", *FAST, *data, "--num-classes", "5", "--output-dir", str(out)]) == 0
+    state = load_checkpoint(out / "checkpoint.pt")["model"]
+    assert [tuple(v.shape) for k, v in state.items() if k.endswith("weight")][-1] == (5, 16)
+    assert json.loads((out / "result.json").read_text())["config"]["num_classes"] == 5
+    _refused(["train", *FAST, "--num-classes", "12", "--output-dir", str(tmp_path / "c")],
+             r"digits has 10 classes .*not the 12 declared")
+    _refused(["train", *FAST, "--num-classes", "1", "--output-dir", str(tmp_path / "c")], "--num-classes: must be >= 2")
+
+
 def test_truncated_mnist_file_named(tmp_path):
     data = write_fake_mnist(tmp_path / "mnist")
     target = data / "train-images-idx3-ubyte.gz"

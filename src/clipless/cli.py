@@ -22,6 +22,7 @@ DEFAULTS: Dict[str, Any] = {
     "max_grad_norm": 1.0,
     "dataset": "digits",
     "data_dir": None,
+    "num_classes": None,
     "model": "mlp",
     "hidden": [],
     "channels": [16, 32],
@@ -127,6 +128,7 @@ SCHEMA: Dict[str, Any] = {
     "max_grad_norm": _number(float, 0),
     "dataset": _text(),
     "data_dir": _text(optional=True),
+    "num_classes": _number(int, 2, low_open=False, optional=True),
     "model": _choice("mlp", "cnn", "vgg", "resnet", "mixer"),
     "hidden": _widths,
     "channels": _widths,
@@ -197,6 +199,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    "tabular file")
     p.add_argument("--data-dir", help="directory holding the dataset files (IDX, CIFAR-10 batches, image folders, "
                    "tabular files)")
+    p.add_argument("--num-classes", type=int,
+                   help="idx: the number of classes, labels 0..K-1 (default: read from the test labels, never from "
+                        "the training ones); the other datasets declare their own")
     p.add_argument("--model", choices=["mlp", "cnn", "vgg", "resnet", "mixer"],
                    help="Lipschitz architecture (mlp, cnn, vgg, resnet, mixer)")
     p.add_argument("--hidden", type=int, nargs="*", help="hidden widths of the dense layers")
@@ -496,7 +501,7 @@ def _prepare_data(config: Dict[str, Any]) -> Tuple[Any, Tuple[int, ...], Optiona
     seed: Optional[int] = None if config["seed"] is None or config["seed"] < 0 else int(config["seed"])
     if seed is not None:
         torch.manual_seed(seed)
-    data = load_dataset(config["dataset"], config["data_dir"], seed=seed or 0)
+    data = load_dataset(config["dataset"], config["data_dir"], seed=seed or 0, num_classes=config["num_classes"])
     shape = data.input_shape
     if config["colour_space"] != "rgb":
         if len(shape) != 3 or shape[0] != 3:
@@ -900,7 +905,8 @@ def run_audit(config: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any
         extra["audited_weights"] = "the model at initialization (public seed); no training data is used"
     else:
         trials = min(1000, n // 4) if args.trials is None else args.trials
-        rest, cx, cy = mislabelled_canaries(data.train, trials, torch.Generator().manual_seed(seed or 0))
+        rest, cx, cy = mislabelled_canaries(data.train, trials, data.num_classes,
+                                             torch.Generator().manual_seed(seed or 0))
         trained_loss: List[Any] = []
 
         def train(train_set: Any) -> Tuple[Any, float]:

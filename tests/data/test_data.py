@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import clipless as cl
-from clipless.data.datasets import (check_held_out, clip_norm, normalize_to_sphere, read_idx, signed_log1p,
-                                     signed_sqrt, write_idx)
+from clipless.data.datasets import (ArrayDataset, DataSplit, check_held_out, clip_norm, normalize_to_sphere,
+                                     read_idx, signed_log1p, signed_sqrt, write_idx)
 
 
 def test_digits_embedded():
@@ -189,12 +189,12 @@ def test_any_idx_image_dataset(tmp_path):
     rng = np.random.default_rng(0)
     d = tmp_path / "emnist"
     d.mkdir()
-    for prefix, n in (("train", 30), ("test", 10)):
+    for prefix, n in (("train", 30), ("test", 27)):  # the held-out labels show every class (they set the count)
         write_idx(d / f"emnist-letters-{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 20, 24)))
         write_idx(d / f"emnist-letters-{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 27)
     data = cl.load_dataset("idx", d)
     assert data.name == "idx" and data.input_shape == (1, 20, 24) and data.num_classes == 27
-    assert float(data.train.features.max()) <= 1.0 and len(data.test) == 10
+    assert float(data.train.features.max()) <= 1.0 and len(data.test) == 27
     with pytest.raises(ValueError, match=r"not 28 x 28"):
         cl.load_mnist(d)
     with pytest.raises(ValueError, match=r"labels outside 0-9 \(e.g. 26\)"):
@@ -247,3 +247,60 @@ def test_held_out_data_that_shares_training_records_refused():
     ]:
         with pytest.raises(ValueError, match=match):
             check_held_out(train, held_out)
+
+
+def _idx_dir(directory, train_labels, test_labels, seed=0):
+    directory.mkdir()
+    rng = np.random.default_rng(seed)
+    for prefix, labels in (("train", train_labels), ("t10k", test_labels)):
+        write_idx(directory / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (len(labels), 4, 4)).astype(np.uint8))
+        write_idx(directory / f"{prefix}-labels-idx1-ubyte", np.asarray(labels, dtype=np.uint8))
+    return directory
+
+
+def test_the_number_of_classes_never_comes_from_the_training_labels(tmp_path):
+    """The released model's output width (and a hinge or KR loss's constant) depends on the number of classes: read
+    from the training labels, a class that one training record alone holds would show whether it was trained on
+    (the model of D has one more output than that of D without it).  It is declared, or read from the held-out
+    labels, and a training label outside it is refused."""
+    held_out = [0, 1, 2, 0, 1, 2]
+    with_it = _idx_dir(tmp_path / "with", [0, 1, 2, 0, 1, 2, 3], held_out)  # label 3: one training record
+    without = _idx_dir(tmp_path / "without", [0, 1, 2, 0, 1, 2], held_out)
+    assert cl.load_dataset("idx", without).num_classes == 3
+    with pytest.raises(ValueError, match=r"training labels lie outside 0-2 .*declare num_classes"):
+        cl.load_dataset("idx", with_it)
+    # declared: the same count with and without the record
+    assert {cl.load_dataset("idx", d, num_classes=4).num_classes for d in (with_it, without)} == {4}
+    with pytest.raises(ValueError, match=r"labels outside 0-2 \(e.g. 3\): .* not of the declared num_classes"):
+        cl.load_dataset("idx", with_it, num_classes=3)
+    with pytest.raises(ValueError, match=r"digits has 10 classes .* not the 12 declared"):
+        cl.load_dataset("digits", num_classes=12)
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 2"):
+        cl.load_dataset("idx", without, num_classes=True)
+    # the split type itself, and splits derived from a declared one
+    x = torch.zeros(4, 2)
+    part = lambda labels: ArrayDataset(x[: len(labels)], torch.tensor(labels))  # noqa: E731
+    assert DataSplit(part([0, 5]), part([0, 1]), "s", num_classes=6).num_classes == 6
+    with pytest.raises(ValueError, match="training labels lie outside 0-1"):
+        DataSplit(part([0, 5]), part([0, 1]), "s")
+    with pytest.raises(ValueError, match=r"held-out labels lie outside 0-5 \(num_classes = 6, declared\)"):
+        DataSplit(part([0, 1]), part([0, 6]), "s", num_classes=6)
+    with pytest.raises(ValueError, match="labels are torch.float32"):
+        DataSplit(ArrayDataset(x[:2], torch.tensor([0.0, 1.0])), part([0, 1]), "s")
+    digits = cl.load_digits()
+    assert digits.num_classes == 10
+    assert cl.data.datasets.convert_split_colour_space(digits, "rgb").num_classes == 10
+    assert not hasattr(digits.train, "num_classes")  # no per-part count that reads the training labels
+
+
+def test_tabular_classes_are_those_of_the_held_out_part(tmp_path):
+    """A tabular file's labels are renumbered by the classes of the held-out part of the split; a label that only
+    training records hold is refused (its count would come from them)."""
+    rng = np.random.default_rng(0)
+    y = np.array([7] * 20 + [3] * 20 + [9] * 2)
+    path = tmp_path / "t.npz"
+    np.savez(path, X=rng.normal(size=(len(y), 3)), y=y)
+    data = cl.load_tabular(path, test_fraction=0.5)
+    assert data.num_classes == 3 and sorted(set(data.test.labels.tolist())) == [0, 1, 2]
+    with pytest.raises(ValueError, match="label 9 of t.npz has no record in the held-out part"):
+        cl.load_tabular(path, test_fraction=0.1)  # 10% of 2 records of class 9: none held out

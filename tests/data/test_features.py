@@ -47,7 +47,7 @@ def test_private_linear_head_on_scattering_features_learns_mnist(shared_data):
     """Fast version of the issue-2 recipe: 10k training images, 3 epochs at epsilon 2."""
     full = cl.load_mnist(shared_data / "mnist")
     small = DataSplit(ArrayDataset(full.train.features[:10000], full.train.labels[:10000]),
-                      ArrayDataset(full.test.features[:2000], full.test.labels[:2000]), "mnist-10k")
+                      ArrayDataset(full.test.features[:2000], full.test.labels[:2000]), "mnist-10k", num_classes=10)
     data = scattering_split(small)
     assert data.train.features.norm(dim=1).max() <= 1.0 + 1e-5
     torch.manual_seed(0)

@@ -198,7 +198,7 @@ def test_step_audit_refuses_bad_settings() -> None:
 
 def test_one_run_audit_sees_memorisation_and_canaries_are_well_formed() -> None:
     data = load_digits().train
-    rest, cx, cy = mislabelled_canaries(data, 300, torch.Generator().manual_seed(0))
+    rest, cx, cy = mislabelled_canaries(data, 300, 10, torch.Generator().manual_seed(0))
     assert len(rest) == len(data) - 300 and len(cx) == 300
     seen = {tuple(r.tolist()) for r in data.features.flatten(1)}
     assert all(tuple(r.tolist()) in seen for r in cx.flatten(1))
@@ -222,7 +222,9 @@ def test_one_run_audit_sees_memorisation_and_canaries_are_well_formed() -> None:
 
 def test_mislabelled_canaries_refuse_too_many() -> None:
     with pytest.raises(ValueError, match="canaries"):
-        mislabelled_canaries(load_digits().train, 10_000)
+        mislabelled_canaries(load_digits().train, 10_000, 10)
+    with pytest.raises(ValueError, match="number of classes >= 2"):
+        mislabelled_canaries(load_digits().train, 10, 1)
 
 
 def test_loss_scores_are_minus_the_loss() -> None:

@@ -12,6 +12,7 @@ import hashlib
 import numbers
 import struct
 import zlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
@@ -139,29 +140,52 @@ class ArrayDataset(Dataset):
     def input_shape(self) -> Tuple[int, ...]:
         return tuple(self.features.shape[1:])
 
-    @property
-    def num_classes(self) -> int:
-        return int(self.labels.max().item()) + 1
-
 
 @dataclass
 class DataSplit:
     """A train/test pair.  ``coordinate_bound``: every input coordinate lies in ``[-b, b]`` by the loader's own
     construction (images: pixels in [0, 1]), so ``b sqrt(dim)`` is a data-independent input bound; ``None``
-    (tabular files) when nothing bounds the data."""
+    (tabular files) when nothing bounds the data.
+
+    ``num_classes`` is the label set's size, which the released model's output width and some losses' constants
+    depend on: declared by the loader (the dataset's definition, the class folders) or, where ``None``, read from
+    the held-out ``test`` part, never from the records trained on (a class that only one training record holds
+    would show in the model whether that record was there).  Every label of both parts must lie in
+    ``0 .. num_classes - 1``: checked here.
+    """
 
     train: ArrayDataset
     test: ArrayDataset
     name: str
     coordinate_bound: Optional[float] = None
+    num_classes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        declared = self.num_classes
+        if declared is None:
+            if len(self.test) == 0:
+                raise ValueError(f"{self.name}: no held-out record to read the number of classes from; declare "
+                                 "num_classes (the training labels cannot decide it privately)")
+            declared = int(self.test.labels.max()) + 1
+        if isinstance(declared, bool) or not isinstance(declared, numbers.Integral) or declared < 2:
+            raise ValueError(f"{self.name}: num_classes must be an integer >= 2, got {declared!r}")
+        for part, ds in (("training", self.train), ("held-out", self.test)):
+            labels = ds.labels
+            if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+                raise ValueError(f"{self.name}: the {part} labels are {labels.dtype}; class labels are integers")
+            if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= declared):
+                source = "declared" if self.num_classes is not None else "read from the held-out part's labels"
+                raise ValueError(
+                    f"{self.name}: {part} labels lie outside 0-{declared - 1} (num_classes = {declared}, {source}): "
+                    + ("declare num_classes (--num-classes) for a label set the held-out part does not show whole; "
+                       "it is never read from the training labels, which would make the model's output width "
+                       "depend on the records trained on" if self.num_classes is None and part == "training"
+                       else "the data does not match its declared classes"))
+        self.num_classes = int(declared)
 
     @property
     def input_shape(self) -> Tuple[int, ...]:
         return self.train.input_shape
-
-    @property
-    def num_classes(self) -> int:
-        return max(self.train.num_classes, self.test.num_classes)
 
 
 def check_finite(x: Union[torch.Tensor, np.ndarray], what: str = "data") -> None:
@@ -240,8 +264,9 @@ def convert_split_colour_space(split: "DataSplit", space: str) -> "DataSplit":
     if space == "rgb":
         return split
     convert = lambda ds: ArrayDataset(convert_colour_space(ds.features, space), ds.labels)  # noqa: E731
-    return DataSplit(convert(split.train), convert(split.test), f"{split.name}+{space}",
-                     split.coordinate_bound)  # HSV lies in [0, 1], YUV in [-0.615, 1]
+    # HSV lies in [0, 1], YUV in [-0.615, 1]: the coordinate bound stays
+    return dataclasses.replace(split, train=convert(split.train), test=convert(split.test),
+                               name=f"{split.name}+{space}")
 
 
 def input_norms(x: torch.Tensor) -> torch.Tensor:
@@ -271,7 +296,8 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DataSplit:
     bunch = sk_digits()
     x = bunch.data.astype(np.float32) / 16.0
     xtr, xte, ytr, yte = _split(x, bunch.target, test_fraction, seed)
-    return DataSplit(_to_dataset(xtr, ytr, (1, 8, 8)), _to_dataset(xte, yte, (1, 8, 8)), "digits", 1.0)
+    return DataSplit(_to_dataset(xtr, ytr, (1, 8, 8)), _to_dataset(xte, yte, (1, 8, 8)), "digits", 1.0,
+                     num_classes=10)
 
 
 def write_idx(path: Union[str, Path], array: np.ndarray) -> None:
@@ -329,7 +355,8 @@ def load_idx_images(data_dir: Union[str, Path], name: str = "idx", image_shape: 
     """Any grayscale image dataset in MNIST's IDX layout: ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
     ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (``.gz`` or not; a common prefix such as
     ``emnist-letters-`` is allowed; ``test-`` for ``t10k-``).  Pixels in [0, 1], shape (1, H, W), labels integers
-    from 0; ``image_shape`` and ``num_classes`` (labels below it), when given, are checked."""
+    from 0; ``image_shape``, when given, is checked.  ``num_classes``: the labels are ``0 .. num_classes - 1``;
+    ``None`` reads it from the test labels, never from the training ones (:class:`DataSplit`)."""
     d = Path(data_dir)
     if not d.exists():
         raise FileNotFoundError(f"{name} directory {d} does not exist")
@@ -361,11 +388,11 @@ def load_idx_images(data_dir: Union[str, Path], name: str = "idx", image_shape: 
             bad = int(labels.min()) if labels.min() < 0 else int(labels.max())
             allowed = f"0-{num_classes - 1}" if num_classes is not None else "0 and above"
             raise ValueError(f"{label_file} holds labels outside {allowed} (e.g. {bad}): the file is damaged or not "
-                             f"{name}'s")
+                             + ("of the declared num_classes" if name == "idx" else f"{name}'s"))
         if images.dtype != np.uint8:  # the [0, 1] scale (and so the pixel input bound) assumes bytes
             raise ValueError(f"{image_file} holds {images.dtype} pixels; grayscale IDX images are unsigned bytes")
         parts.append(_to_dataset(images.astype(np.float32) / 255.0, labels.astype(np.int64), (1,) + images.shape[1:]))
-    return DataSplit(parts[0], parts[1], name, 1.0)
+    return DataSplit(parts[0], parts[1], name, 1.0, num_classes=num_classes)
 
 
 def load_mnist(data_dir: Union[str, Path]) -> DataSplit:
@@ -432,7 +459,7 @@ def load_cifar10(data_dir: Union[str, Path]) -> DataSplit:
     test = _cifar_batch(d / "test_batch")
     x = np.concatenate([b[0] for b in train])
     y = np.concatenate([b[1] for b in train])
-    return DataSplit(_to_dataset(x, y), _to_dataset(*test), "cifar10", 1.0)
+    return DataSplit(_to_dataset(x, y), _to_dataset(*test), "cifar10", 1.0, num_classes=10)
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".tif", ".tiff", ".webp")
@@ -488,7 +515,7 @@ def load_image_folder(data_dir: Union[str, Path], colour: bool = True, image_siz
     else:
         x, y = _read_images(d, classes, mode, image_size)
         xtr, xte, ytr, yte = _split(x, y, test_fraction, seed)
-    return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), "imagefolder", 1.0)
+    return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), "imagefolder", 1.0, num_classes=len(classes))
 
 
 def load_tabular(
@@ -500,7 +527,8 @@ def load_tabular(
     """A tabular set: ``.npz`` with arrays ``X`` and ``y``, or ``.csv`` (header allowed; label column given).
 
     Split 80/20 stratified by default.  Features are not standardised here
-    (standardising with data statistics is not data-independent).
+    (standardising with data statistics is not data-independent).  The classes are the labels of the test part,
+    numbered in sorted order; a label found in the training part only is refused.
     """
     p = Path(path)
     if p.suffix == ".npz":
@@ -539,15 +567,23 @@ def load_tabular(
     if y.dtype.kind == "f":
         if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
             raise ValueError(f"labels of {p.name} must be integers")
-    classes, y = np.unique(y.astype(np.int64), return_inverse=True)
-    if len(classes) < 2:
-        raise ValueError(f"{p.name} has a single class ({classes.tolist()}): there is nothing to classify")
-    counts = np.bincount(y)
+    y = y.astype(np.int64)
+    values, counts = np.unique(y, return_counts=True)
+    if len(values) < 2:
+        raise ValueError(f"{p.name} has a single class ({values.tolist()}): there is nothing to classify")
     if counts.min() < 2:
-        raise ValueError(f"class {classes[counts.argmin()]} of {p.name} has a single record: a stratified train/test "
+        raise ValueError(f"class {values[counts.argmin()]} of {p.name} has a single record: a stratified train/test "
                          "split needs at least two per class")
     xtr, xte, ytr, yte = _split(x.astype(np.float32), y, test_fraction, seed)
-    return DataSplit(_to_dataset(xtr, ytr), _to_dataset(xte, yte), p.stem)
+    # The classes (the model's output width) are those of the held-out part, never read from the records trained on.
+    classes = np.unique(yte)
+    unseen = np.setdiff1d(ytr, classes)
+    if unseen.size:
+        raise ValueError(f"label {unseen[0]} of {p.name} has no record in the held-out part of the split: the classes "
+                         "are read from the held-out records (the training records must not decide the model's "
+                         "output width); give that class more records or a larger test fraction")
+    return DataSplit(_to_dataset(xtr, np.searchsorted(classes, ytr)), _to_dataset(xte, np.searchsorted(classes, yte)),
+                     p.stem, num_classes=len(classes))
 
 
 def _is_number(text: str) -> bool:
@@ -558,19 +594,39 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: int = 0) -> DataSplit:
+def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: int = 0,
+                 num_classes: Optional[int] = None) -> DataSplit:
     """``digits`` (embedded), ``mnist`` (directory of its IDX files), ``idx`` (any grayscale IDX images),
-    ``cifar10`` (its python-version directory), ``imagefolder`` (a tree of class folders) or a tabular file."""
+    ``cifar10`` (its python-version directory), ``imagefolder`` (a tree of class folders) or a tabular file.
+
+    ``num_classes`` declares the classes of ``idx`` data (else read from its test labels); for the others, which
+    declare their own, a given value must agree."""
+    if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral)
+                                    or num_classes < 2):
+        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    if name == "idx":
+        if data_dir is None:
+            raise ValueError(f"{name} needs --data-dir, a directory holding the IDX files")
+        return load_idx_images(data_dir, num_classes=num_classes)
+    data = _load_declared(name, data_dir, seed)
+    if num_classes is not None and num_classes != data.num_classes:
+        raise ValueError(f"{data.name} has {data.num_classes} classes (by its definition, its class folders or the "
+                         f"labels of a tabular file's held-out part), not the {num_classes} declared: leave "
+                         "num_classes out, or use --dataset idx for IDX files with other labels")
+    return data
+
+
+def _load_declared(name: str, data_dir: Optional[Union[str, Path]], seed: int) -> DataSplit:
     if name == "digits":
         return load_digits(seed=seed)
     if name in ("cifar10", "imagefolder"):
         if data_dir is None:
             raise ValueError(f"{name} needs --data-dir, the directory holding the images")
         return load_cifar10(data_dir) if name == "cifar10" else load_image_folder(data_dir, seed=seed)
-    if name in ("mnist", "idx"):
+    if name == "mnist":
         if data_dir is None:
             raise ValueError(f"{name} needs --data-dir, a directory holding the IDX files")
-        return load_mnist(data_dir) if name == "mnist" else load_idx_images(data_dir)
+        return load_mnist(data_dir)
     candidate = Path(data_dir, name) if data_dir is not None else Path(name)
     if candidate.suffix in (".npz", ".csv") and candidate.exists():
         return load_tabular(candidate, seed=seed)

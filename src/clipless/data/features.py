@@ -76,4 +76,6 @@ def scattering_split(
         feats = torch.cat([phi(ds.features[i : i + chunk]) for i in starts])
         return ArrayDataset(feats, ds.labels)
 
-    return DataSplit(name=f"{split.name}+scattering", train=transform(train), test=transform(split.test))
+    # the same records and classes; the input bound is now ``radius``, not the pixels' coordinate bound
+    return DataSplit(name=f"{split.name}+scattering", train=transform(train), test=transform(split.test),
+                     num_classes=split.num_classes)

@@ -23,14 +23,15 @@ from .membership import membership_audit
 __all__ = ["mislabelled_canaries", "loss_scores", "one_run_audit"]
 
 
-def mislabelled_canaries(data: ArrayDataset, m: int, generator: Optional[torch.Generator] = None
+def mislabelled_canaries(data: ArrayDataset, m: int, num_classes: int, generator: Optional[torch.Generator] = None
                          ) -> Tuple[ArrayDataset, torch.Tensor, torch.Tensor]:
-    """``(rest, canary_x, canary_y)``: ``m`` records taken out of ``data``, each given a random wrong label."""
-    n, classes = len(data), data.num_classes
+    """``(rest, canary_x, canary_y)``: ``m`` records taken out of ``data``, each given a random wrong label among
+    ``num_classes`` (the split's declared classes, :class:`~clipless.data.datasets.DataSplit`)."""
+    n, classes = len(data), num_classes
     if not (1 <= m <= n // 2):
         raise ValueError(f"the number of canaries must be in [1, N/2 = {n // 2}] for {n} training records, got {m}")
-    if classes < 2:
-        raise ValueError("mislabelled canaries need at least 2 classes")
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
+        raise ValueError(f"mislabelled canaries need an integer number of classes >= 2, got {classes!r}")
     order = torch.randperm(n, generator=generator)
     chosen, rest = order[:m], order[m:]
     shift = torch.randint(1, classes, (m,), generator=generator)
