@@ -41,6 +41,35 @@ def test_test_data_that_is_the_training_data_refused():
         digits_trainer(test_data=cl.load_digits().train)  # a second load of the same split
 
 
+def test_labels_the_loss_refuses_are_refused_before_any_step():
+    """A label outside the model's classes used to stop the run at the step whose Poisson batch first held it (after
+    however many steps), or never, when no batch did; in-memory datasets are now checked whole, by the loss's own
+    rule, when the trainer is built."""
+    from torch.utils.data import Subset, TensorDataset
+
+    data = cl.load_digits()
+    x, y = data.train.features, data.train.labels.clone()
+    y[5] = 12
+
+    def build(train, test=None, loss=None, width=10):
+        torch.manual_seed(0)
+        model = cl.lipschitz_mlp(data.input_shape, width, hidden=(8,))
+        return cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss or cl.TauCrossEntropy(8.0),
+                                 train, input_shape=data.input_shape, input_bound=8.0, batch_size=64, epochs=1,
+                                 delta=1e-5, noise_multiplier=1.0, test_data=test, progress=False, log=None)
+
+    for train in (cl.ArrayDataset(x, y), TensorDataset(x, y), Subset(cl.ArrayDataset(x, y), range(100))):
+        with pytest.raises(ValueError, match=r"train_data: labels must be class indices in \[0, 10\) .* 0 to 12"):
+            build(train)
+    with pytest.raises(ValueError, match=r"test_data: labels must be class indices"):
+        build(data.train, TensorDataset(data.test.features, data.test.labels - 1))
+    assert build(Subset(cl.ArrayDataset(x, y), range(6, 106))).steps == 0  # the bad record is not in it
+    binary = (data.train.labels % 2).to(torch.long)
+    build(cl.ArrayDataset(x, binary), loss=cl.BinaryCrossEntropyWithTemperature(), width=1)
+    with pytest.raises(ValueError, match="train_data: binary labels must be 0 or 1"):
+        build(cl.ArrayDataset(x, binary * 2), loss=cl.BinaryCrossEntropyWithTemperature(), width=1)
+
+
 def test_digits_private_training_learns_within_budget():
     trainer = digits_trainer(epochs=15)
     result = trainer.fit()

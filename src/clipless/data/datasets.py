@@ -19,12 +19,13 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 __all__ = [
     "ArrayDataset",
     "tensors_fingerprint",
     "check_held_out",
+    "dataset_labels",
     "DataSplit",
     "load_digits",
     "load_mnist",
@@ -65,6 +66,20 @@ def _base_records(data: Dataset) -> Tuple[Dataset, Optional[set]]:
         indices = chosen if indices is None else [chosen[i] for i in indices]
         data = data.dataset
     return data, None if indices is None else set(indices)
+
+
+def dataset_labels(data: Dataset) -> Optional[torch.Tensor]:
+    """All the labels of an in-memory dataset (``ArrayDataset``, ``TensorDataset(x, y)``, a ``Subset`` of either),
+    without reading any input; ``None`` for another dataset, whose labels show only when it is read."""
+    if isinstance(data, Subset):
+        labels = dataset_labels(data.dataset)
+        return None if labels is None else labels[torch.as_tensor(list(data.indices), dtype=torch.long)]
+    if isinstance(data, ArrayDataset):
+        return data.labels
+    tensors = getattr(data, "tensors", None)
+    if isinstance(data, TensorDataset) and isinstance(tensors, tuple) and len(tensors) == 2:
+        return tensors[1]
+    return None
 
 
 def check_held_out(train: Dataset, held_out: Optional[Dataset], what: str = "test_data") -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..data.augment import ImageAugmentation
-from ..data.datasets import check_held_out
+from ..data.datasets import check_held_out, dataset_labels
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
 from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
@@ -61,6 +61,20 @@ class TrainResult:
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+@torch.no_grad()
+def _check_labels(loss: LipschitzLoss, data: Optional[Dataset], output_shape: Tuple[int, ...], what: str) -> None:
+    """Every label of an in-memory dataset passes the loss's own check for the model's output shape, before any step:
+    a label the loss refuses would otherwise stop the run at the step whose Poisson batch first holds it."""
+    labels = dataset_labels(data) if data is not None else None
+    if labels is None:
+        return
+    for chunk in labels.split(1 << 16):
+        try:
+            loss.per_example(torch.zeros((chunk.shape[0], *output_shape)), chunk)
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
 
 
 class PrivateTrainer(DeclaredConstants):
@@ -153,6 +167,8 @@ class PrivateTrainer(DeclaredConstants):
             distributed=distributed,
             augmentation_multiplicity=augmentation_multiplicity,
         )
+        for what, data in (("train_data", train_data), ("test_data", test_data)):
+            _check_labels(loss, data, self.optimizer.bound_engine.output_shape, what)
         # Augmentation multiplicity: K augmented rows per example, each loss weighted 1/K (make_private).
         self.augmentation_multiplicity = augmentation_multiplicity
         if augmentation_multiplicity > 1 and augment is None:
