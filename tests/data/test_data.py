@@ -8,6 +8,8 @@ import struct
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import clipless as cl
 from clipless.data.datasets import (ArrayDataset, DataSplit, check_held_out, clip_norm, normalize_to_sphere,
@@ -304,3 +306,20 @@ def test_tabular_classes_are_those_of_the_held_out_part(tmp_path):
     assert data.num_classes == 3 and sorted(set(data.test.labels.tolist())) == [0, 1, 2]
     with pytest.raises(ValueError, match="label 9 of t.npz has no record in the held-out part"):
         cl.load_tabular(path, test_fraction=0.1)  # 10% of 2 records of class 9: none held out
+
+
+@settings(max_examples=60, deadline=None)
+@given(train=st.lists(st.integers(0, 9), min_size=1, max_size=30), test=st.lists(st.integers(0, 9), min_size=1,
+       max_size=10), removed=st.integers(0, 29), declared=st.one_of(st.none(), st.integers(2, 12)))
+def test_the_number_of_classes_is_the_same_for_neighbouring_training_sets(train, test, removed, declared):
+    """Whatever the labels: adding or removing one training record never changes ``num_classes`` (it may only turn
+    a refusal into a split or back: a label outside the classes is refused, not counted)."""
+    def split(labels):
+        part = lambda ys: ArrayDataset(torch.zeros(len(ys), 2), torch.tensor(ys, dtype=torch.long))  # noqa: E731
+        try:
+            return DataSplit(part(labels), part(test), "s", num_classes=declared).num_classes
+        except ValueError:
+            return None
+    full, neighbour = split(train), split(train[:removed] + train[removed + 1:])
+    expected = declared if declared is not None else max(test) + 1
+    assert {full, neighbour} - {None} <= {expected}
