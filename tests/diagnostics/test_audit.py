@@ -223,7 +223,7 @@ def test_one_run_audit_sees_memorisation_and_canaries_are_well_formed() -> None:
 def test_mislabelled_canaries_refuse_too_many() -> None:
     with pytest.raises(ValueError, match="canaries"):
         mislabelled_canaries(load_digits().train, 10_000, 10)
-    with pytest.raises(ValueError, match="number of classes >= 2"):
+    with pytest.raises(ValueError, match="number of classes of mislabelled canaries must be an integer >= 2"):
         mislabelled_canaries(load_digits().train, 10, 1)
 
 

@@ -7,12 +7,12 @@ bound computed from the training data is a privacy leak).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import numbers
 import struct
 import zlib
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
@@ -20,6 +20,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
+
+from ..nn.functional import whole_number
 
 __all__ = [
     "ArrayDataset",
@@ -182,20 +184,22 @@ class DataSplit:
                 raise ValueError(f"{self.name}: no held-out record to read the number of classes from; declare "
                                  "num_classes (the training labels cannot decide it privately)")
             declared = int(self.test.labels.max()) + 1
-        if isinstance(declared, bool) or not isinstance(declared, numbers.Integral) or declared < 2:
-            raise ValueError(f"{self.name}: num_classes must be an integer >= 2, got {declared!r}")
+        declared = whole_number(declared, f"{self.name}: num_classes", 2)
         for part, ds in (("training", self.train), ("held-out", self.test)):
             labels = ds.labels
             if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
                 raise ValueError(f"{self.name}: the {part} labels are {labels.dtype}; class labels are integers")
-            if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= declared):
-                source = "declared" if self.num_classes is not None else "read from the held-out part's labels"
-                raise ValueError(
-                    f"{self.name}: {part} labels lie outside 0-{declared - 1} (num_classes = {declared}, {source}): "
-                    + ("declare num_classes (--num-classes) for a label set the held-out part does not show whole; "
-                       "it is never read from the training labels, which would make the model's output width "
-                       "depend on the records trained on" if self.num_classes is None and part == "training"
-                       else "the data does not match its declared classes"))
+            if not labels.numel():
+                continue
+            if int(labels.min()) < 0:
+                raise ValueError(f"{self.name}: {part} labels must be class indices from 0, got {int(labels.min())}")
+            if int(labels.max()) >= declared:
+                why = ("declared" if self.num_classes is not None else "read from the held-out labels: declare "
+                       "num_classes (--num-classes) for a label set they do not show whole; it is never read from "
+                       "the training labels, which would make the model's output width depend on the records "
+                       "trained on")
+                raise ValueError(f"{self.name}: {part} labels lie outside 0-{declared - 1} (num_classes = {declared}, "
+                                 f"{why})")
         self.num_classes = int(declared)
 
     @property
@@ -616,9 +620,8 @@ def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: i
 
     ``num_classes`` declares the classes of ``idx`` data (else read from its test labels); for the others, which
     declare their own, a given value must agree."""
-    if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral)
-                                    or num_classes < 2):
-        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    if num_classes is not None:
+        num_classes = whole_number(num_classes, "num_classes", 2)
     if name == "idx":
         if data_dir is None:
             raise ValueError(f"{name} needs --data-dir, a directory holding the IDX files")

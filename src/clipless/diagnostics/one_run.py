@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..data.datasets import ArrayDataset
+from ..nn.functional import whole_number
 from ..privacy.modules import LipschitzLoss
 from ..privacy.randomness import make_generator
 from .audit_stats import AuditResult
@@ -30,8 +31,7 @@ def mislabelled_canaries(data: ArrayDataset, m: int, num_classes: int, generator
     n, classes = len(data), num_classes
     if not (1 <= m <= n // 2):
         raise ValueError(f"the number of canaries must be in [1, N/2 = {n // 2}] for {n} training records, got {m}")
-    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
-        raise ValueError(f"mislabelled canaries need an integer number of classes >= 2, got {classes!r}")
+    whole_number(classes, "the number of classes of mislabelled canaries", 2)
     order = torch.randperm(n, generator=generator)
     chosen, rest = order[:m], order[m:]
     shift = torch.randint(1, classes, (m,), generator=generator)
