@@ -7,18 +7,120 @@ times under the profiler. Prints, per step, the self CPU time (the host's work: 
 the self device time (the kernels), the synchronizing calls and the device-to-host scalar reads (``aten::item``),
 and the top operators; writes each full table to ``--out-dir``. On CUDA every method runs IEEE float32
 convolutions, as in ``benchmarks/speed.py``.
+
+    python benchmarks/profile_step.py --device cpu --phases --models mlp --batch 256 --out-dir results/phases
+
+``--phases``: wall-clock medians (``--steps`` steps after 30 of warm-up) of the parts of one step, the Lipschitz
+model's non-private step (forward, backward, Adam, projection) beside the clipless private step of the same model
+(forward and backward with the step guard, then inside ``step()``: the checks and certified bounds, the noise,
+Adam, the projection, and the rest); writes ``phases_<model>_<batch>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
+from report import use_allocator
 from speed import _build
 from torch.profiler import ProfilerActivity, profile
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
+
+
+def _timed(times: dict, name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times.setdefault(name, []).append(time.perf_counter() - start)
+    return wrapper
+
+
+def phases(model_name: str, batch: int, device: str, steps: int) -> dict:
+    """Medians (ms) of the parts of the Lipschitz model's non-private step and of its clipless private step."""
+    import clipless as cl
+    import clipless.privacy.optimizer as private_optimizer
+
+    shape, bound = (1, 28, 28), 28.0
+    x, y = torch.rand(batch, *shape, device=device), torch.randint(0, 10, (batch,), device=device)
+    loss = cl.TauCrossEntropy(8.0)
+
+    def build():
+        torch.manual_seed(0)
+        model = (cl.lipschitz_cnn(shape, 10, channels=(16, 32), input_clip=bound) if model_name == "cnn" else
+                 cl.lipschitz_mlp(shape, 10, hidden=(256, 256), input_clip=bound)).to(device)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def medians(times: dict) -> dict:
+        return {k: 1e3 * statistics.median(v[-steps:]) for k, v in times.items()}
+
+    def mark(marks: list) -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+
+    def record(times: dict, names: tuple, marks: list) -> None:
+        for name, a, b in zip(names, marks, marks[1:]):
+            times.setdefault(name, []).append(b - a)
+        times.setdefault("total", []).append(marks[-1] - marks[0])
+
+    model, opt = build()
+    engine = cl.BoundEngine(model, shape, bound, loss.lipschitz)
+    plain: dict = {}
+    for _ in range(30 + steps):
+        marks: list = []
+        mark(marks)
+        opt.zero_grad()
+        mark(marks)
+        out = model(x)
+        mark(marks)
+        loss.per_example(out, y).sum().backward()
+        mark(marks)
+        opt.step()
+        mark(marks)
+        engine.project_()
+        mark(marks)
+        record(plain, ("zero_grad", "forward", "backward", "adam", "projection"), marks)
+
+    model, opt = build()
+    model, dp, _ = cl.PrivacyEngine().make_private(
+        module=model, optimizer=opt, data=cl.ArrayDataset(x.cpu(), y.cpu()), loss=loss, noise_multiplier=1.0,
+        input_shape=shape, batch_size=batch / 2, input_bound=bound, external_batches=True)
+    private: dict = {}
+    dp._checked_report = _timed(private, "step: checks and certified bounds", dp._checked_report)
+    noise = private_optimizer.add_noise_
+    private_optimizer.add_noise_ = _timed(private, "step: noise", noise)
+    dp.original_optimizer.step = _timed(private, "step: adam", dp.original_optimizer.step)
+    dp.bound_engine.project_ = _timed(private, "step: projection", dp.bound_engine.project_)
+    try:
+        for _ in range(30 + steps):
+            marks = []
+            mark(marks)
+            dp.zero_grad()
+            mark(marks)
+            out = model(x)
+            mark(marks)
+            loss.per_example(out, y).sum().backward()
+            mark(marks)
+            dp.step()
+            mark(marks)
+            record(private, ("zero_grad", "forward", "backward", "step"), marks)
+    finally:
+        private_optimizer.add_noise_ = noise
+    measured = medians(private)
+    order = ("zero_grad", "forward", "backward", "step", "step: checks and certified bounds", "step: noise",
+             "step: adam", "step: projection")
+    private_ms = {k: measured[k] for k in order}
+    private_ms["step: the rest"] = measured["step"] - sum(v for k, v in private_ms.items() if k.startswith("step: "))
+    private_ms["total"] = measured["total"]
+    return {"model": model_name, "batch": batch, "device": device, "steps": steps,
+            "lipschitz_ms": medians(plain), "clipless_ms": private_ms}
 
 
 def main() -> None:
@@ -26,14 +128,26 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--out-dir", default="results/profile")
+    parser.add_argument("--phases", action="store_true", help="time the parts of a step (module doc)")
+    parser.add_argument("--models", nargs="+", default=["cnn", "mlp"], choices=["cnn", "mlp"])
+    parser.add_argument("--steps", type=int, default=100, help="--phases: timed steps per model")
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.phases:
+        use_allocator("tuned")  # as the speed benchmark's workers and the CLI
+        for model_name in args.models:
+            result = phases(model_name, args.batch, args.device, args.steps)
+            (out / f"phases_{model_name}_{args.batch}.json").write_text(json.dumps(result, indent=2))
+            print(f"{model_name}, batch {args.batch}, {args.device}: medians of {args.steps} steps (ms)")
+            for method in ("lipschitz_ms", "clipless_ms"):
+                print(f"  {method[:-3]:9s} " + ", ".join(f"{k} {v:.2f}" for k, v in result[method].items()))
+        return
     cuda = args.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.backends.cudnn.conv.fp32_precision = "ieee"
-    for model in ("cnn", "mlp"):
+    for model in args.models:
         for method in ("standard", "lipschitz", "clipless"):
             step = _build(method, model, args.batch, args.device)
             for _ in range(5):

@@ -1,4 +1,5 @@
-"""benchmarks/speed.py builds a step for every method it times (a benchmark that crashes measures nothing)."""
+"""benchmarks/speed.py builds a step for every method it times, and profile_step.py times the parts of one (a
+benchmark that crashes measures nothing)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,16 @@ def test_every_method_builds_a_step_that_runs(speed, method, model):
     step = speed._build(method, model, 4, "cpu")
     for _ in range(2):
         step()
+
+
+def test_the_phases_of_a_step_are_timed_and_add_up(speed):
+    """``profile_step.py --phases``: the parts of the private step add up to the step (the rest is what is left)."""
+    spec = importlib.util.spec_from_file_location("profile_step", BENCHMARKS / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.phases("mlp", 4, "cpu", steps=3)
+    private, plain = result["clipless_ms"], result["lipschitz_ms"]
+    assert set(plain) == {"zero_grad", "forward", "backward", "adam", "projection", "total"}
+    assert all(v > 0 for v in plain.values()) and all(v > 0 for k, v in private.items() if k != "step: the rest")
+    parts = sum(v for k, v in private.items() if k.startswith("step: "))
+    assert parts == pytest.approx(private["step"])
