@@ -10,7 +10,7 @@ Meanings, the same everywhere:
 * ``noise_multiplier`` is the **gradient's** effective multiplier ``sigma_grad = (sum_d sigma_d^-2)^-1/2``
   (the global strategy draws every layer at it, scaled to ``Delta``);
 * ``layer_noise_multipliers`` are **relative weights** ``w_d`` (or ``"energy"``): ``sigma_d = c w_d`` with
-  ``c`` such that the layers compose to ``sigma_grad``;
+  ``c`` such that the layers compose to ``sigma_grad`` (a layer the mapping leaves out weighs 1);
 * with ``target_epsilon``, the plan either calibrates ``sigma_step`` for the planned steps, or (with a
   fixed ``noise_multiplier``) caps the number of steps; it never returns a plan above the target.
 """
