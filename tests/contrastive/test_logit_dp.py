@@ -1743,11 +1743,11 @@ def test_clip_norms_and_temperatures_must_be_positive_and_finite(bad):
     died with "'>' not supported between instances of 'str' and 'int'"."""
     from clipless.contrastive.logit_dp import logit_dp_sensitivity, naive_dp_sensitivity
 
-    with pytest.raises(ValueError, match="positive and finite"):
+    with pytest.raises(ValueError, match="must be a positive finite number"):
         logit_dp_sensitivity(bad, 1.0)
-    with pytest.raises(ValueError, match="positive and finite"):
+    with pytest.raises(ValueError, match="must be a positive finite number"):
         logit_dp_sensitivity(1.0, bad)
-    with pytest.raises(ValueError, match="positive and finite"):
+    with pytest.raises(ValueError, match="must be a positive finite number"):
         naive_dp_sensitivity(bad)
 
 

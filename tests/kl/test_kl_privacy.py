@@ -287,8 +287,8 @@ def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
     (["--inits"], "inits must name at least one of"),
     (["--widths", "8", "0"], r"widths\[1\] must be an integer >= 1"),
     (["--runs", "0"], "runs must be an integer >= 1"),
-    (["--sigma", "nan"], "sigma must be positive and finite"),
-    (["--eta", "-1"], "eta must be positive and finite"),
+    (["--sigma", "nan"], "sigma must be a positive finite number"),
+    (["--eta", "-1"], "eta must be a positive finite number"),
 ])
 def test_kl_study_settings_refused_before_anything_runs(tmp_path, flags, match):
     from clipless.cli import main

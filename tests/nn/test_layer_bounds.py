@@ -359,7 +359,7 @@ _NAN, _INF = float("nan"), float("inf")
     lambda: cl.LipschitzConv2d(1, 2, 3, stride=1.5, padding=1), lambda: cl.LipschitzConv2d(1, 2, 2.5, padding=0),
     lambda: cl.LipschitzConv2d(0, 2, 3), lambda: cl.LipschitzConv2d(1, 2, 3, bias=True, bias_bound=-1.0),
     lambda: cl.OrthogonalConv2d(2.0, 2), lambda: cl.OrthogonalConv2d(2, 2, bjorck_iters=-1),
-    # True read as 1 (positive_finite)
+    # True read as 1 (check_positive_finite)
     lambda: cl.TauCrossEntropy(True), lambda: cl.InputNormClip(True), lambda: cl.L2NormPool2d(2, eps=True),
 ])
 def test_a_bad_declared_constant_is_refused_when_the_layer_is_built(build):

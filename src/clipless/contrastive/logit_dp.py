@@ -27,7 +27,8 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.utils import _pair
 
-from ..nn.functional import positive_finite, whole_number
+from ..nn.functional import whole_number
+from ..privacy.accounting import check_positive_finite
 from ..privacy.certified import ieee_matmul
 from ..privacy.input_guard import (check_precision, global_hooks_registered, module_hooks, replaced_forward,
                                    saved_tensor_hooks_active)
@@ -107,7 +108,7 @@ CONTRASTIVE_LOSSES = tuple(LOSS_FUNCTIONS)
 def _check_loss(loss: str, tau: float) -> None:
     if loss not in CONTRASTIVE_LOSSES:
         raise ValueError(f"loss must be one of {CONTRASTIVE_LOSSES}, got {loss!r}")
-    positive_finite(tau, "temperature tau")
+    check_positive_finite(tau, "temperature tau")
     if loss == "spreadout" and tau != 1.0:
         raise ValueError("the spreadout sensitivity 6B (spec §4) holds for tau = 1 only")
 
@@ -129,7 +130,7 @@ def logit_gradient(z: torch.Tensor, loss: str, tau: Optional[float] = None) -> t
 
 
 def _check_clip_norm(clip_norm: float, name: str) -> None:
-    positive_finite(clip_norm, f"clip norm {name}")
+    check_positive_finite(clip_norm, f"clip norm {name}")
 
 
 def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive",

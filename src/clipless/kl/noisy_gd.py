@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.datasets import check_finite
-from ..nn.functional import finite_at_least, positive_finite, whole_number
+from ..nn.functional import finite_at_least, whole_number
+from ..privacy.accounting import check_positive_finite
 from ..privacy import secret_generator
 from .networks import (
     INIT_SCHEMES,
@@ -221,7 +222,7 @@ def noisy_gradient_descent(
     Without ``generator`` the noise comes from OS entropy: the KL bound is over the noise, which an adversary
     who knows the generator's seed can subtract (the torch default generator is as public as its seed).
     """
-    eta, sigma = positive_finite(eta, "eta"), positive_finite(sigma, "sigma")
+    eta, sigma = check_positive_finite(eta, "eta"), check_positive_finite(sigma, "sigma")
     steps = whole_number(steps, "steps")
     weight_decay = finite_at_least(weight_decay, "weight_decay")
     _loss_fn(loss)
@@ -302,7 +303,7 @@ def linearized_kl_bound(widths: Sequence[int], scheme: str, input_norm_sq: float
     """
     whole_number(n_train, "n_train", minimum=2)
     steps = whole_number(steps, "steps")
-    eta, sigma = positive_finite(eta, "eta"), positive_finite(sigma, "sigma")
+    eta, sigma = check_positive_finite(eta, "eta"), check_positive_finite(sigma, "sigma")
     input_norm_sq = finite_at_least(input_norm_sq, "input_norm_sq")
     loss_grad_sq = finite_at_least(loss_grad_sq, "loss_grad_sq")
     gap = 4.0 * loss_grad_sq * gradient_norm_at_init(widths, scheme, input_norm_sq) / (n_train - 1) ** 2

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from ..data.datasets import load_mnist
 from ..diagnostics.membership import loss_threshold_attack
 from ..diagnostics.plots import save_figure
-from ..nn.functional import positive_finite, whole_number
+from ..nn.functional import whole_number
+from ..privacy.accounting import check_positive_finite
 from ..privacy.distributed import world
 from ..train.checkpoint import write_atomically
 from . import noisy_gd as klp
@@ -71,7 +72,7 @@ class KLStudyConfig:
         for name, (value, low) in counts.items():
             whole_number(value, name, low)
         for name in ("eta", "sigma", "mia_sigma"):
-            positive_finite(getattr(self, name), name)
+            check_positive_finite(getattr(self, name), name)
 
 
 def two_class_mnist(data_dir: str, digits: Tuple[int, int], n_train: int, n_heldout: int,

@@ -11,7 +11,8 @@ import torch
 from ..privacy.input_guard import backward_pass_id
 from ..privacy.modules import BoundedModule, LayerBound, PerStepMechanism
 from ..privacy.noise import noisy_count
-from .functional import broadcast_per_example, per_example_norm, positive_finite
+from ..privacy.accounting import check_positive_finite
+from .functional import broadcast_per_example, per_example_norm
 
 __all__ = ["LossGradientClip", "AdaptiveLossGradientClip"]
 
@@ -41,7 +42,7 @@ class LossGradientClip(BoundedModule):
 
     def __init__(self, max_norm: float) -> None:
         super().__init__()
-        self.max_norm = positive_finite(max_norm, "max_norm")
+        self.max_norm = check_positive_finite(max_norm, "max_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ClipGrad.apply(x, self.max_norm)
@@ -79,12 +80,12 @@ class AdaptiveLossGradientClip(PerStepMechanism):
         learning_rate: float = 0.2,
     ) -> None:
         super().__init__()
-        positive_finite(initial_norm, "initial_norm")
-        self.count_noise_multiplier = positive_finite(count_noise_multiplier, "count_noise_multiplier")
+        check_positive_finite(initial_norm, "initial_norm")
+        self.count_noise_multiplier = check_positive_finite(count_noise_multiplier, "count_noise_multiplier")
         if not 0.0 < target_quantile < 1.0:
             raise ValueError(f"target_quantile must be in (0, 1), got {target_quantile}")
         self.target_quantile = float(target_quantile)
-        self.learning_rate = positive_finite(learning_rate, "learning_rate")
+        self.learning_rate = check_positive_finite(learning_rate, "learning_rate")
         self.register_buffer("clip_norm", torch.tensor(float(initial_norm), dtype=torch.float64))
         # examples with ||grad_z l|| <= C, per backward pass since the last release
         self._below_by_pass: Dict[int, int] = {}

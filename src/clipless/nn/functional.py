@@ -21,7 +21,7 @@ from ..privacy.certified import (
 from ..privacy.modules import LayerBound
 
 __all__ = ["per_example_norm", "broadcast_per_example", "bjorck_orthonormalize", "project_matrix_", "clip_norm_",
-           "positive_finite", "check_projection", "max_min", "l2_norm_pool2d", "rescale_to_unit_ball_",
+           "check_projection", "max_min", "l2_norm_pool2d", "rescale_to_unit_ball_",
            "affine_layer_bound"]
 
 
@@ -110,13 +110,6 @@ def clip_norm_(tensor: torch.Tensor, max_norm: float) -> None:
     norm = torch.linalg.vector_norm(tensor.to(torch.float64)).item()
     if norm > max_norm:
         tensor.mul_(max_norm / norm)
-
-
-def positive_finite(value: float, name: str) -> float:
-    """A scale, a step size or a norm: ``True`` would read as 1 and NaN would fail every comparison after it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
-    return float(value)
 
 
 def whole_number(value: int, name: str, minimum: int = 1) -> int:

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ..privacy.modules import BoundedModule, InputClip, LayerBound
-from .functional import broadcast_per_example, l2_norm_pool2d, max_min, per_example_norm, positive_finite, whole_number
+from ..privacy.accounting import check_positive_finite
+from .functional import broadcast_per_example, l2_norm_pool2d, max_min, per_example_norm, whole_number
 
 __all__ = ["InputNormClip", "GroupSort", "MaxMin", "L2NormPool2d", "ScaledAvgPool2d", "Permute", "LayerCentering"]
 
@@ -21,7 +22,7 @@ class InputNormClip(InputClip):
 
     def __init__(self, max_norm: float) -> None:
         super().__init__()
-        self.max_norm = positive_finite(max_norm, "max_norm")
+        self.max_norm = check_positive_finite(max_norm, "max_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norms = per_example_norm(x)
@@ -101,7 +102,7 @@ class L2NormPool2d(BoundedModule):
 
     def __init__(self, kernel_size: int, eps: float = 1e-10) -> None:
         super().__init__()
-        self.kernel_size, self.eps = whole_number(kernel_size, "kernel_size"), positive_finite(eps, "eps")
+        self.kernel_size, self.eps = whole_number(kernel_size, "kernel_size"), check_positive_finite(eps, "eps")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return l2_norm_pool2d(x, self.kernel_size, self.eps)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from ..privacy.certified import BoundError
 from ..privacy.modules import LipschitzLoss
-from .functional import finite_at_least, positive_finite, whole_number
+from ..privacy.accounting import check_positive_finite
+from .functional import finite_at_least, whole_number
 
 __all__ = [
     "TauCrossEntropy",
@@ -50,7 +51,7 @@ class TauCrossEntropy(LipschitzLoss):
 
     def __init__(self, tau: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        self.tau = positive_finite(tau, "tau")
+        self.tau = check_positive_finite(tau, "tau")
         self.lipschitz = math.sqrt(2.0)
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ class CrossEntropyWithTemperature(LipschitzLoss):
 
     def __init__(self, temperature: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        self.temperature = positive_finite(temperature, "temperature")
+        self.temperature = check_positive_finite(temperature, "temperature")
         self.lipschitz = math.sqrt(2.0) / self.temperature
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ class BinaryCrossEntropyWithTemperature(LipschitzLoss):
 
     def __init__(self, temperature: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        self.temperature = positive_finite(temperature, "temperature")
+        self.temperature = check_positive_finite(temperature, "temperature")
         self.lipschitz = 1.0 / self.temperature
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -198,7 +199,7 @@ class KCosineSimilarity(LipschitzLoss):
 
     def __init__(self, k_coef: float = 1.0, x_min: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(reduction)
-        self.floor = positive_finite(k_coef, "k_coef") * positive_finite(x_min, "x_min")
+        self.floor = check_positive_finite(k_coef, "k_coef") * check_positive_finite(x_min, "x_min")
         self.lipschitz = 1.0 / self.floor
 
     def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
