@@ -91,10 +91,10 @@ def test_shape_mismatch_refused(data):
 
 
 def test_input_bound_violated_by_data_refused(data):
+    """Refused when the trainer is built (every in-memory record checked), before any step."""
     model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,))
-    trainer = trainer_for(model, data, input_bound=0.5)  # rand(1,4,4) has norm ~2.3
-    with pytest.raises(BoundError, match="declared input_bound"):
-        trainer.fit()
+    with pytest.raises(BoundError, match="train_data: a record has a norm above the declared input_bound 0.5"):
+        trainer_for(model, data, input_bound=0.5)  # rand(1,4,4) has norm ~2.3
 
 
 def test_the_input_bounds_tolerance_is_inside_the_certified_bound():

@@ -41,21 +41,24 @@ def test_test_data_that_is_the_training_data_refused():
         digits_trainer(test_data=cl.load_digits().train)  # a second load of the same split
 
 
-def test_labels_the_loss_refuses_are_refused_before_any_step():
-    """A label outside the model's classes used to stop the run at the step whose Poisson batch first held it (after
-    however many steps), or never, when no batch did; in-memory datasets are now checked whole, by the loss's own
-    rule, when the trainer is built."""
+def test_records_the_step_would_refuse_are_refused_before_any_step():
+    """A record the private step refuses (a label outside the model's classes, a norm above the input bound, a NaN)
+    used to stop the run at the step whose Poisson batch first held it: after a number of released steps that
+    depends on that record (a checkpoint of them written), or never, when no batch drew it.  In-memory datasets are
+    now checked whole when the trainer is built, by the step's own rules."""
     from torch.utils.data import Subset, TensorDataset
 
     data = cl.load_digits()
     x, y = data.train.features, data.train.labels.clone()
     y[5] = 12
+    far = x.clone()
+    far[7] *= 3  # pixels in [0, 1]: norm up to 8, the bound; this record's is above it
 
-    def build(train, test=None, loss=None, width=10):
+    def build(train, test=None, loss=None, width=10, bound=8.0):
         torch.manual_seed(0)
         model = cl.lipschitz_mlp(data.input_shape, width, hidden=(8,))
         return cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss or cl.TauCrossEntropy(8.0),
-                                 train, input_shape=data.input_shape, input_bound=8.0, batch_size=64, epochs=1,
+                                 train, input_shape=data.input_shape, input_bound=bound, batch_size=64, epochs=1,
                                  delta=1e-5, noise_multiplier=1.0, test_data=test, progress=False, log=None)
 
     for train in (cl.ArrayDataset(x, y), TensorDataset(x, y), Subset(cl.ArrayDataset(x, y), range(100))):
@@ -68,6 +71,18 @@ def test_labels_the_loss_refuses_are_refused_before_any_step():
     build(cl.ArrayDataset(x, binary), loss=cl.BinaryCrossEntropyWithTemperature(), width=1)
     with pytest.raises(ValueError, match="train_data: binary labels must be 0 or 1"):
         build(cl.ArrayDataset(x, binary * 2), loss=cl.BinaryCrossEntropyWithTemperature(), width=1)
+    # the data bound: the training records only (held-out data is evaluated without gradients)
+    for train in (cl.ArrayDataset(far, data.train.labels), TensorDataset(far, data.train.labels)):
+        with pytest.raises(BoundError, match="train_data: a record has a norm above the declared input_bound 8"):
+            build(train)
+    build(data.train, cl.ArrayDataset(far, data.train.labels))
+    assert build(cl.ArrayDataset(far, data.train.labels), bound=24.0).steps == 0  # within a larger bound
+    nan = x.clone()
+    nan[3, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="train_data contains NaN or infinite values"):
+        build(TensorDataset(nan, data.train.labels))
+    with pytest.raises(ValueError, match=r"test_data: records of per-example shape \(64,\), the model's input_shape"):
+        build(data.train, TensorDataset(data.test.features.flatten(1), data.test.labels))
 
 
 def test_digits_private_training_learns_within_budget():

@@ -27,7 +27,7 @@ __all__ = [
     "ArrayDataset",
     "tensors_fingerprint",
     "check_held_out",
-    "dataset_labels",
+    "in_memory_records",
     "DataSplit",
     "load_digits",
     "load_mnist",
@@ -70,17 +70,21 @@ def _base_records(data: Dataset) -> Tuple[Dataset, Optional[set]]:
     return data, None if indices is None else set(indices)
 
 
-def dataset_labels(data: Dataset) -> Optional[torch.Tensor]:
-    """All the labels of an in-memory dataset (``ArrayDataset``, ``TensorDataset(x, y)``, a ``Subset`` of either),
-    without reading any input; ``None`` for another dataset, whose labels show only when it is read."""
+def in_memory_records(data: Dataset) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(inputs, labels)``, every record of an in-memory dataset (``ArrayDataset``, ``TensorDataset(x, y)``, a
+    ``Subset`` of either) as the loader yields them; ``None`` for another dataset, whose records show only when it
+    is read."""
     if isinstance(data, Subset):
-        labels = dataset_labels(data.dataset)
-        return None if labels is None else labels[torch.as_tensor(list(data.indices), dtype=torch.long)]
+        records = in_memory_records(data.dataset)
+        if records is None:
+            return None
+        index = torch.as_tensor(list(data.indices), dtype=torch.long)
+        return records[0][index], records[1][index]
     if isinstance(data, ArrayDataset):
-        return data.labels
+        return data.features, data.labels
     tensors = getattr(data, "tensors", None)
     if isinstance(data, TensorDataset) and isinstance(tensors, tuple) and len(tensors) == 2:
-        return tensors[1]
+        return tensors[0], tensors[1]
     return None
 
 

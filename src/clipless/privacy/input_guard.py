@@ -57,7 +57,7 @@ from .certified import BoundError, DeclaredConstants, ieee_convolutions, ieee_ma
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
            "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "backward_pass_id",
-           "INPUT_BOUND_TOLERANCE"]
+           "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -170,6 +170,17 @@ def largest_norm(x: torch.Tensor, bound: float) -> float:
             if approx * (1 + 2 * nu / (1 - nu)) <= bound:
                 return approx
     return torch.linalg.vector_norm(flat.double(), dim=1).max().item()
+
+
+# the norm itself is never shown: error messages reach logs, and it is a statistic of a record
+DATA_BOUND_REFUSAL = ("has a norm above the declared input_bound {bound:.6g}: the sensitivity would be wrong; clip the "
+                      "data (InputNormClip) or raise input_bound")
+
+
+def above_data_bound(x: torch.Tensor, bound: float) -> bool:
+    """Whether an example of ``x`` has a norm above ``bound`` by more than ``INPUT_BOUND_TOLERANCE`` relative (the
+    bounds include that much): what the input guard refuses."""
+    return x.shape[0] > 0 and largest_norm(x, bound) > bound * (1 + INPUT_BOUND_TOLERANCE)
 
 
 def global_hooks_registered() -> bool:
@@ -317,14 +328,8 @@ class InputGuard(DeclaredConstants, _Guard):
         checked = module.training or torch.is_grad_enabled()
         if checked:
             check_precision(module, x)
-        if checked and self.data_bound is not None and x.shape[0] > 0:
-            largest = largest_norm(x, self.data_bound)
-            if largest > self.data_bound * (1 + INPUT_BOUND_TOLERANCE):
-                # the norm itself is not shown: error messages reach logs, and it is a statistic of a record
-                raise BoundError(
-                    f"an input of the batch has a norm above the declared input_bound {self.data_bound:.6g}: the "
-                    "sensitivity would be wrong; clip the data (InputNormClip) or raise input_bound"
-                )
+        if checked and self.data_bound is not None and above_data_bound(x, self.data_bound):
+            raise BoundError(f"an input of the batch {DATA_BOUND_REFUSAL.format(bound=self.data_bound)}")
 
     def attached(self) -> bool:
         """Whether this hook still checks every forward of the model (``handle.remove()`` or a cleared hook dict
