@@ -60,57 +60,49 @@ def phases(model_name: str, batch: int, device: str, steps: int) -> dict:
     def medians(times: dict) -> dict:
         return {k: 1e3 * statistics.median(v[-steps:]) for k, v in times.items()}
 
-    def mark(marks: list) -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        marks.append(time.perf_counter())
+    def run(model, zero_grad, after_backward: dict) -> dict:
+        """``30 + steps`` steps of ``model``: zero_grad, forward, backward, then each of ``after_backward``."""
+        times: dict = {}
+        names = ("zero_grad", "forward", "backward", *after_backward)
+        for _ in range(30 + steps):
+            marks = []
 
-    def record(times: dict, names: tuple, marks: list) -> None:
-        for name, a, b in zip(names, marks, marks[1:]):
-            times.setdefault(name, []).append(b - a)
-        times.setdefault("total", []).append(marks[-1] - marks[0])
+            def mark() -> None:
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                marks.append(time.perf_counter())
+
+            mark()
+            zero_grad()
+            mark()
+            out = model(x)
+            mark()
+            loss.per_example(out, y).sum().backward()
+            mark()
+            for part in after_backward.values():
+                part()
+                mark()
+            for name, a, b in zip(names, marks, marks[1:]):
+                times.setdefault(name, []).append(b - a)
+            times.setdefault("total", []).append(marks[-1] - marks[0])
+        return times
 
     model, opt = build()
     engine = cl.BoundEngine(model, shape, bound, loss.lipschitz)
-    plain: dict = {}
-    for _ in range(30 + steps):
-        marks: list = []
-        mark(marks)
-        opt.zero_grad()
-        mark(marks)
-        out = model(x)
-        mark(marks)
-        loss.per_example(out, y).sum().backward()
-        mark(marks)
-        opt.step()
-        mark(marks)
-        engine.project_()
-        mark(marks)
-        record(plain, ("zero_grad", "forward", "backward", "adam", "projection"), marks)
+    plain = run(model, opt.zero_grad, {"adam": opt.step, "projection": engine.project_})
 
     model, opt = build()
     model, dp, _ = cl.PrivacyEngine().make_private(
         module=model, optimizer=opt, data=cl.ArrayDataset(x.cpu(), y.cpu()), loss=loss, noise_multiplier=1.0,
         input_shape=shape, batch_size=batch / 2, input_bound=bound, external_batches=True)
-    private: dict = {}
-    dp._checked_report = _timed(private, "step: checks and certified bounds", dp._checked_report)
+    parts: dict = {}  # inside step(), filled by the wrappers
+    dp._checked_report = _timed(parts, "step: checks and certified bounds", dp._checked_report)
     noise = private_optimizer.add_noise_
-    private_optimizer.add_noise_ = _timed(private, "step: noise", noise)
-    dp.original_optimizer.step = _timed(private, "step: adam", dp.original_optimizer.step)
-    dp.bound_engine.project_ = _timed(private, "step: projection", dp.bound_engine.project_)
+    private_optimizer.add_noise_ = _timed(parts, "step: noise", noise)
+    dp.original_optimizer.step = _timed(parts, "step: adam", dp.original_optimizer.step)
+    dp.bound_engine.project_ = _timed(parts, "step: projection", dp.bound_engine.project_)
     try:
-        for _ in range(30 + steps):
-            marks = []
-            mark(marks)
-            dp.zero_grad()
-            mark(marks)
-            out = model(x)
-            mark(marks)
-            loss.per_example(out, y).sum().backward()
-            mark(marks)
-            dp.step()
-            mark(marks)
-            record(private, ("zero_grad", "forward", "backward", "step"), marks)
+        private = {**run(model, dp.zero_grad, {"step": dp.step}), **parts}
     finally:
         private_optimizer.add_noise_ = noise
     measured = medians(private)
