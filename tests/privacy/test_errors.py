@@ -91,10 +91,59 @@ def test_shape_mismatch_refused(data):
 
 
 def test_input_bound_violated_by_data_refused(data):
-    """Refused when the trainer is built (every in-memory record checked), before any step."""
+    """Refused by make_private (every in-memory record checked), before any step."""
     model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,))
-    with pytest.raises(BoundError, match="train_data: a record has a norm above the declared input_bound 0.5"):
+    with pytest.raises(BoundError, match="the training data: a record has a norm above the declared input_bound 0.5"):
         trainer_for(model, data, input_bound=0.5)  # rand(1,4,4) has norm ~2.3
+
+
+def test_make_private_checks_every_in_memory_record_before_any_step():
+    """In a loop of one's own too: a record the step would refuse is refused by make_private, not at whichever step
+    first draws it.  Datasets that hold their records as tensors are read whole (``in_memory_records()``,
+    ``TensorDataset(x, y)``, a ``Subset`` of either); others are checked batch by batch, as before."""
+    from torch.utils.data import Dataset, Subset, TensorDataset
+
+    x = torch.rand(40, *SHAPE) / 4  # 16 pixels in [0, 1/4]: norms <= 1
+    y = torch.randint(0, 3, (40,))
+    far = x.clone()
+    far[9] *= 8
+
+    class Records(Dataset):  # a dataset of one's own that hands its records over
+        def __init__(self, inputs, labels):
+            self.inputs, self.labels = inputs, labels
+
+        def __len__(self):
+            return len(self.labels)
+
+        def __getitem__(self, i):
+            return self.inputs[i], self.labels[i]
+
+        def in_memory_records(self):
+            return self.inputs, self.labels
+
+    class Streamed(Records):  # the same, without handing its records over
+        in_memory_records = None
+
+    def private(dataset):
+        model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=None)
+        return cl.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=dataset,
+            loss=cl.TauCrossEntropy(), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0, input_bound=1.0)
+
+    for dataset in (cl.ArrayDataset(far, y), TensorDataset(far, y), Subset(TensorDataset(far, y), range(5, 15)),
+                    Records(far, y)):
+        with pytest.raises(BoundError, match="the training data: a record has a norm above the declared input_bound"):
+            private(dataset)
+    with pytest.raises(ValueError, match=r"the training data: labels must be class indices in \[0, 3\)"):
+        private(TensorDataset(x, y + 1))
+    private(Subset(TensorDataset(far, y), range(10, 40)))  # the far record is not in it
+    # read only by the loader (every record far here, so that the first batch holds one): the step refuses it
+    model, optimizer, loader = private(Streamed(x * 8, y))
+    with pytest.raises(BoundError, match="an input of the batch has a norm above"):
+        for inputs, labels in loader:
+            optimizer.zero_grad()
+            cl.TauCrossEntropy().per_example(model(inputs), labels).sum().backward()
+            optimizer.step()
 
 
 def test_the_input_bounds_tolerance_is_inside_the_certified_bound():

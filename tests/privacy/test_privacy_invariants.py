@@ -740,8 +740,9 @@ def test_centering_is_per_example():
 def test_eval_mode_forward_with_gradients_is_guarded():
     model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=None)
     engine = cl.PrivacyEngine("rdp")
+    within = cl.ArrayDataset(_data().features / 4, _data().labels)  # 16 pixels in [0, 1/4]: norms <= 1
     model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                        data=_data(), loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
+                                        data=within, loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
                                         input_shape=SHAPE, batch_size=8.0, input_bound=1.0, external_batches=True)
     big = torch.full((2, *SHAPE), 10.0)  # norm 40 > input_bound 1
     model.eval()

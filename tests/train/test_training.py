@@ -45,7 +45,8 @@ def test_records_the_step_would_refuse_are_refused_before_any_step():
     """A record the private step refuses (a label outside the model's classes, a norm above the input bound, a NaN)
     used to stop the run at the step whose Poisson batch first held it: after a number of released steps that
     depends on that record (a checkpoint of them written), or never, when no batch drew it.  In-memory datasets are
-    now checked whole when the trainer is built, by the step's own rules."""
+    now checked whole by make_private (the training data) and the trainer (the held-out data), by the step's own
+    rules."""
     from torch.utils.data import Subset, TensorDataset
 
     data = cl.load_digits()
@@ -62,24 +63,24 @@ def test_records_the_step_would_refuse_are_refused_before_any_step():
                                  delta=1e-5, noise_multiplier=1.0, test_data=test, progress=False, log=None)
 
     for train in (cl.ArrayDataset(x, y), TensorDataset(x, y), Subset(cl.ArrayDataset(x, y), range(100))):
-        with pytest.raises(ValueError, match=r"train_data: labels must be class indices in \[0, 10\) .* 0 to 12"):
+        with pytest.raises(ValueError, match=r"training data: labels must be class indices in \[0, 10\) .* 0 to 12"):
             build(train)
     with pytest.raises(ValueError, match=r"test_data: labels must be class indices"):
         build(data.train, TensorDataset(data.test.features, data.test.labels - 1))
     assert build(Subset(cl.ArrayDataset(x, y), range(6, 106))).steps == 0  # the bad record is not in it
     binary = (data.train.labels % 2).to(torch.long)
     build(cl.ArrayDataset(x, binary), loss=cl.BinaryCrossEntropyWithTemperature(), width=1)
-    with pytest.raises(ValueError, match="train_data: binary labels must be 0 or 1"):
+    with pytest.raises(ValueError, match="the training data: binary labels must be 0 or 1"):
         build(cl.ArrayDataset(x, binary * 2), loss=cl.BinaryCrossEntropyWithTemperature(), width=1)
     # the data bound: the training records only (held-out data is evaluated without gradients)
     for train in (cl.ArrayDataset(far, data.train.labels), TensorDataset(far, data.train.labels)):
-        with pytest.raises(BoundError, match="train_data: a record has a norm above the declared input_bound 8"):
+        with pytest.raises(BoundError, match="the training data: a record has a norm above the declared input_bound 8"):
             build(train)
     build(data.train, cl.ArrayDataset(far, data.train.labels))
     assert build(cl.ArrayDataset(far, data.train.labels), bound=24.0).steps == 0  # within a larger bound
     nan = x.clone()
     nan[3, 0, 0, 0] = float("nan")
-    with pytest.raises(ValueError, match="train_data contains NaN or infinite values"):
+    with pytest.raises(ValueError, match="the training data contains NaN or infinite values"):
         build(TensorDataset(nan, data.train.labels))
     with pytest.raises(ValueError, match=r"test_data: records of per-example shape \(64,\), the model's input_shape"):
         build(data.train, TensorDataset(data.test.features.flatten(1), data.test.labels))

@@ -8,7 +8,6 @@ from .datasets import (
     check_held_out,
     clip_norm,
     convert_colour_space,
-    in_memory_records,
     input_norms,
     load_dataset,
     load_digits,
@@ -23,4 +22,4 @@ from .datasets import (
     signed_sqrt,
 )
 
-__all__ = ["ArrayDataset", "ImageAugmentation", "DataSplit", "check_finite", "check_held_out", "clip_norm", "convert_colour_space", "in_memory_records", "input_norms", "load_dataset", "load_digits", "load_cifar10", "load_idx_images", "load_image_folder", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p", "signed_sqrt"]
+__all__ = ["ArrayDataset", "ImageAugmentation", "DataSplit", "check_finite", "check_held_out", "clip_norm", "convert_colour_space", "input_norms", "load_dataset", "load_digits", "load_cifar10", "load_idx_images", "load_image_folder", "load_mnist", "load_tabular", "normalize_to_sphere", "read_idx", "signed_log1p", "signed_sqrt"]

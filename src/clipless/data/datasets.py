@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset, TensorDataset
+from torch.utils.data import Dataset, Subset
 
 from ..nn.functional import whole_number
 
@@ -27,7 +27,6 @@ __all__ = [
     "ArrayDataset",
     "tensors_fingerprint",
     "check_held_out",
-    "in_memory_records",
     "DataSplit",
     "load_digits",
     "load_mnist",
@@ -68,24 +67,6 @@ def _base_records(data: Dataset) -> Tuple[Dataset, Optional[set]]:
         indices = chosen if indices is None else [chosen[i] for i in indices]
         data = data.dataset
     return data, None if indices is None else set(indices)
-
-
-def in_memory_records(data: Dataset) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(inputs, labels)``, every record of an in-memory dataset (``ArrayDataset``, ``TensorDataset(x, y)``, a
-    ``Subset`` of either) as the loader yields them; ``None`` for another dataset, whose records show only when it
-    is read."""
-    if isinstance(data, Subset):
-        records = in_memory_records(data.dataset)
-        if records is None:
-            return None
-        index = torch.as_tensor(list(data.indices), dtype=torch.long)
-        return records[0][index], records[1][index]
-    if isinstance(data, ArrayDataset):
-        return data.features, data.labels
-    tensors = getattr(data, "tensors", None)
-    if isinstance(data, TensorDataset) and isinstance(tensors, tuple) and len(tensors) == 2:
-        return tensors[0], tensors[1]
-    return None
 
 
 def check_held_out(train: Dataset, held_out: Optional[Dataset], what: str = "test_data") -> None:
@@ -151,6 +132,10 @@ class ArrayDataset(Dataset):
     def record_tensors(self) -> Tuple[torch.Tensor, ...]:
         """The tensors that hold the records (held-out data stored in the same memory is refused)."""
         return (self.features,)
+
+    def in_memory_records(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every record, as the loader yields them: what ``make_private`` checks before any step."""
+        return self.features, self.labels
 
     def gather(self, indices: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """A whole batch in one indexing operation (used by the Poisson loader)."""

@@ -16,10 +16,10 @@ from .bounds import BoundEngine, check_input_shape
 from .calibration import plan_noise, planned_steps
 from .certified import BoundError
 from .distributed import DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks, world
-from .input_guard import INPUT_BOUND_TOLERANCE, InputGuard
+from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
-from .sampling import dataset_size, expected_batch_size, poisson_data_loader, poisson_threshold
+from .sampling import dataset_size, expected_batch_size, in_memory_records, poisson_data_loader, poisson_threshold
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf"]
 
@@ -55,6 +55,32 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
             "without looking at the data; inputs above it are refused)"
         )
     return checked, float(input_bound)  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLoss, input_shape: Tuple[int, ...],
+                  output_shape: Tuple[int, ...], data_bound: Optional[float] = None) -> None:
+    """Every record of an in-memory dataset (:func:`~clipless.privacy.sampling.in_memory_records`), checked as the
+    private step checks a batch, before any step: its per-example shape, finite values, the data bound (training
+    data) and its label by the loss's own rule for the model's output shape.  A record that fails would otherwise
+    stop the run at the step whose Poisson batch first holds it: after a number of released steps that depends on
+    that record, or never."""
+    records = in_memory_records(data) if data is not None else None
+    if records is None:
+        return
+    inputs, labels = records
+    if tuple(inputs.shape[1:]) != tuple(input_shape):
+        raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's input_shape is "
+                         f"{tuple(input_shape)}")
+    for rows, targets in zip(inputs.split(1 << 16), labels.split(1 << 16)):
+        if rows.is_floating_point() and not bool(torch.isfinite(rows).all()):
+            raise ValueError(f"{what} contains NaN or infinite values; clean the data before private training")
+        if data_bound is not None and above_data_bound(rows, data_bound):
+            raise BoundError(f"{what}: a record {DATA_BOUND_REFUSAL.format(bound=data_bound)}")
+        try:
+            loss.per_example(torch.zeros((targets.shape[0], *output_shape), device=targets.device), targets)
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
 
 
 def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -> Tuple[Dataset, float]:
@@ -133,7 +159,8 @@ class PrivacyEngine(DeclaredConstants):
         bound, the noise and the accounting are unchanged: the mean of ``K`` gradients within the bound is.
         Each step must release exactly one new batch of ``poisson_loader``; ``external_batches=True`` lifts
         that check for a loop that draws Poisson batches at rate ``batch_size / len(data)`` by other means
-        (the accountant assumes it does; nothing can check it).
+        (the accountant assumes it does; nothing can check it).  Every record of an in-memory ``data`` is
+        checked first, by the step's own rules (:func:`check_dataset_records`).
         """
         self.check_accountant()
         if not isinstance(loss, LipschitzLoss):
@@ -184,6 +211,7 @@ class PrivacyEngine(DeclaredConstants):
         poisson_threshold(sample_rate)  # refuses a rate the sampler cannot realise, before anything runs
         x0, data_bound = resolve_input_bound(module, input_bound)
         engine = BoundEngine(module, input_shape, x0, loss)
+        check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound)
         steps_per_epoch = max(1, round(1.0 / sample_rate))
         plan = plan_noise(
             engine.compute(),

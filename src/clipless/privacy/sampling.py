@@ -6,7 +6,7 @@ from fractions import Fraction
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from .input_guard import batch_row_digests
@@ -14,7 +14,8 @@ from .certified import DeclaredConstants
 from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
-           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS"]
+           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS",
+           "in_memory_records"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
@@ -35,6 +36,24 @@ def dataset_size(data: Any) -> int:
         raise TypeError(f"data must be a map-style Dataset with a length (got {type(data).__name__}): Poisson "
                         "sampling picks each record by index, independently, with rate batch_size / len(data)")
     return len(data)
+
+
+def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(inputs, labels)``, every record of an in-memory dataset as the loader yields them: a dataset with an
+    ``in_memory_records()`` method (``clipless.ArrayDataset``), ``TensorDataset(x, y)``, or a ``Subset`` of one;
+    ``None`` for another dataset, whose records show only when it is read."""
+    if isinstance(data, Subset):
+        records = in_memory_records(data.dataset)
+        if records is None:
+            return None
+        index = torch.as_tensor(list(data.indices), dtype=torch.long)
+        return records[0][index], records[1][index]
+    own = getattr(data, "in_memory_records", None)
+    if callable(own):
+        return own()
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        return data.tensors[0], data.tensors[1]
+    return None
 
 
 def expected_batch_size(batch_size: Any, records: int) -> float:

@@ -20,14 +20,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..data.augment import ImageAugmentation
-from ..data.datasets import check_held_out, in_memory_records
+from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
 from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
-from ..privacy.certified import BoundError
-from ..privacy.input_guard import DATA_BOUND_REFUSAL, above_data_bound
-from ..privacy.privacy_engine import PrivacyEngine
+from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import dataset_size, expected_batch_size
 from .checkpoint import (check_fits, check_records, checkpoint_destination, fingerprint_key_for, keyed_fingerprint,
@@ -63,31 +61,6 @@ class TrainResult:
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
-
-
-@torch.no_grad()
-def _check_records(data: Optional[Dataset], what: str, loss: LipschitzLoss, input_shape: Tuple[int, ...],
-                   output_shape: Tuple[int, ...], data_bound: Optional[float] = None) -> None:
-    """Every record of an in-memory dataset, checked as the private step checks a batch, before any step: its
-    per-example shape, finite values, the data bound (``data_bound``: the training data), and its label by the loss's
-    own rule for the model's output shape.  A record that fails would otherwise stop the run at the step whose
-    Poisson batch first holds it: after a number of released steps that depends on that record, or never."""
-    records = in_memory_records(data) if data is not None else None
-    if records is None:
-        return
-    inputs, labels = records
-    if tuple(inputs.shape[1:]) != tuple(input_shape):
-        raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's input_shape is "
-                         f"{tuple(input_shape)}")
-    for rows, targets in zip(inputs.split(1 << 16), labels.split(1 << 16)):
-        if rows.is_floating_point() and not bool(torch.isfinite(rows).all()):
-            raise ValueError(f"{what} contains NaN or infinite values; clean the data before private training")
-        if data_bound is not None and above_data_bound(rows, data_bound):
-            raise BoundError(f"{what}: a record {DATA_BOUND_REFUSAL.format(bound=data_bound)}")
-        try:
-            loss.per_example(torch.zeros((targets.shape[0], *output_shape)), targets)
-        except ValueError as err:
-            raise ValueError(f"{what}: {err}") from None
 
 
 class PrivateTrainer(DeclaredConstants):
@@ -180,9 +153,9 @@ class PrivateTrainer(DeclaredConstants):
             distributed=distributed,
             augmentation_multiplicity=augmentation_multiplicity,
         )
-        shapes = (self.optimizer.bound_engine.input_shape, self.optimizer.bound_engine.output_shape)
-        _check_records(train_data, "train_data", loss, *shapes, self.privacy_engine.guard.data_bound)
-        _check_records(test_data, "test_data", loss, *shapes)  # evaluated without gradients: no data bound
+        # the training records were checked by make_private; held-out ones are evaluated without gradients
+        check_dataset_records(test_data, "test_data", loss, self.optimizer.bound_engine.input_shape,
+                      self.optimizer.bound_engine.output_shape)
         # Augmentation multiplicity: K augmented rows per example, each loss weighted 1/K (make_private).
         self.augmentation_multiplicity = augmentation_multiplicity
         if augmentation_multiplicity > 1 and augment is None:
