@@ -21,7 +21,7 @@ from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanism
 from .optimizer import DPOptimizer
 from .sampling import dataset_size, expected_batch_size, in_memory_records, poisson_data_loader, poisson_threshold
 
-__all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf"]
+__all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records"]
 
 
 def first_leaf(model: nn.Module) -> nn.Module:
@@ -59,7 +59,7 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
 
 @torch.no_grad()
 def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLoss, input_shape: Tuple[int, ...],
-                  output_shape: Tuple[int, ...], data_bound: Optional[float] = None) -> None:
+                          output_shape: Tuple[int, ...], data_bound: Optional[float] = None) -> None:
     """Every record of an in-memory dataset (:func:`~clipless.privacy.sampling.in_memory_records`), checked as the
     private step checks a batch, before any step: its per-example shape, finite values, the data bound (training
     data) and its label by the loss's own rule for the model's output shape.  A record that fails would otherwise

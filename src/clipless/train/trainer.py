@@ -155,7 +155,7 @@ class PrivateTrainer(DeclaredConstants):
         )
         # the training records were checked by make_private; held-out ones are evaluated without gradients
         check_dataset_records(test_data, "test_data", loss, self.optimizer.bound_engine.input_shape,
-                      self.optimizer.bound_engine.output_shape)
+                              self.optimizer.bound_engine.output_shape)
         # Augmentation multiplicity: K augmented rows per example, each loss weighted 1/K (make_private).
         self.augmentation_multiplicity = augmentation_multiplicity
         if augmentation_multiplicity > 1 and augment is None:
