@@ -68,7 +68,7 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
     records = in_memory_records(data) if data is not None else None
     if records is None:
         return
-    inputs, labels = records
+    inputs, labels = (torch.as_tensor(t) for t in records)  # a dataset of one's own may hand over arrays
     if tuple(inputs.shape[1:]) != tuple(input_shape):
         raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's input_shape is "
                          f"{tuple(input_shape)}")
