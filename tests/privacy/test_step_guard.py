@@ -580,7 +580,7 @@ def test_missing_zero_grad_cannot_mix_batches():
 def test_hand_scaled_loss_refused():
     model, opt, loss, engine, x, y = _setup()
     (loss.per_example(model(x), y).sum() * 10).backward()
-    message = _refused(opt, engine, "weight 10 > 1")
+    message = _refused(opt, engine, "weight above 1")
     assert "zero_grad" in message
     opt.zero_grad()  # then the corrected loop works
     loss.per_example(model(x), y).sum().backward()
@@ -588,11 +588,30 @@ def test_hand_scaled_loss_refused():
 
 
 def test_mean_reduced_loss_warns_about_the_wasted_budget():
+    """The warning used to show the largest weight, 1/|B| for a mean: the realised size of a Poisson batch, which is
+    secret (the noisy sum is divided by the expected size for that reason), written to the logs without noise."""
     model, opt, loss, engine, x, y = _setup()
-    with pytest.warns(UserWarning, match="wastes privacy budget"):
+    with pytest.warns(UserWarning, match="wastes privacy budget") as caught:
         loss.per_example(model(x), y).mean().backward()
+    shown = " ".join(str(w.message) for w in caught)
+    assert f"{1 / len(x):.4g}" not in shown and str(len(x)) not in shown
     opt.step()  # not a privacy bug: a smaller gradient
     assert engine.accountant.steps == 1
+
+
+def test_error_messages_of_the_step_do_not_show_the_batch_size_or_labels():
+    """A Poisson batch's size and its records' labels are not written to logs by the step's errors either."""
+    model, opt, loss, engine, x, y = _setup()
+    n = len(x)
+    out = model(x)
+    for bad, labels in (("shape", y[:, None].repeat(1, 3)), ("count", y[:-1]), ("range", y + 50)):
+        with pytest.raises(ValueError) as info:
+            loss.per_example(out, labels)
+        message = str(info.value)
+        assert str(n) not in message and str(n - 1) not in message and str(int(labels.max())) not in message, bad
+    with pytest.raises(ValueError) as info:
+        cl.BinaryCrossEntropyWithTemperature().per_example(out, y)
+    assert str(n) not in str(info.value)
 
 
 @pytest.mark.parametrize("slip", ["torch_loss", "scaled_output", "output_used_twice", "sliced_output"])

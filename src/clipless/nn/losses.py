@@ -30,18 +30,26 @@ __all__ = [
 ]
 
 
+def _labels_seen(logits: torch.Tensor, target: torch.Tensor) -> str:
+    """What the labels are, for an error, without the batch size (a Poisson batch's size is secret)."""
+    if target.dim() and logits.dim() and target.shape[0] == logits.shape[0]:
+        return f"labels of per-example shape {tuple(target.shape[1:])}"
+    return "a number of labels other than of logits" if target.dim() else "a single label"
+
+
 def _check_multiclass(logits: torch.Tensor, target: torch.Tensor) -> None:
     if logits.dim() != 2:
-        raise ValueError(f"expected logits of shape (batch, classes), got {tuple(logits.shape)}")
+        raise ValueError(f"expected logits of shape (batch, classes), got per-example shape {tuple(logits.shape[1:])}")
     if target.shape != logits.shape[:1]:
-        raise ValueError(f"expected integer labels of shape ({logits.shape[0]},), got {tuple(target.shape)}")
+        raise ValueError(f"expected one integer label per example, shape (batch,), got {_labels_seen(logits, target)}")
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         raise ValueError(f"expected integer class labels, got {target.dtype} labels: give class indices 0..K-1 "
                          "(torch.long), not one-hot, scores or booleans")
     # before the loss indexes with them: torch's error names only one value, and on CUDA it is a device assert
     if target.numel() and not bool(((target >= 0) & (target < logits.shape[1])).all()):
+        # the labels themselves are not shown: error messages reach logs, and they are values of records
         raise ValueError(f"labels must be class indices in [0, {logits.shape[1]}) for a model with "
-                         f"{logits.shape[1]} outputs, got labels from {int(target.min())} to {int(target.max())}")
+                         f"{logits.shape[1]} outputs; a label is outside that range")
 
 
 class TauCrossEntropy(LipschitzLoss):
@@ -99,7 +107,8 @@ class BinaryCrossEntropyWithTemperature(LipschitzLoss):
         if logits.dim() == 2 and logits.shape[1] == 1:
             logits = logits[:, 0]
         if logits.dim() != 1 or target.shape != logits.shape:
-            raise ValueError(f"expected logits (batch,) or (batch, 1) and labels (batch,), got {tuple(logits.shape)}")
+            raise ValueError("expected logits (batch,) or (batch, 1) and labels (batch,), got logits of per-example "
+                             f"shape {tuple(logits.shape[1:])} and {_labels_seen(logits, target)}")
         if target.numel() and not bool(((target == 1) | (target == 0) | (target == -1)).all()):
             raise ValueError("binary labels must be 0 or 1 (or -1 or 1): any other value was read as its sign")
         sign = torch.where(target > 0, 1.0, -1.0).to(logits.dtype)

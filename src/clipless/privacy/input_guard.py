@@ -384,7 +384,10 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
     record.losses.append(loss)
     values = per_example(_Tap.apply(logits, record.add_loss_grad))  # the gradient the loss sends to the logits
     if values.dim() != 1 or values.shape[0] != logits.shape[0]:
-        raise BoundError(f"a clipless loss must return one value per example, got shape {tuple(values.shape)}")
+        # the shape without the batch size: a Poisson batch's size is secret
+        raise BoundError("a clipless loss must return one value per example, got "
+                         + (f"per-example shape {tuple(values.shape[1:])}" if values.dim() > 1 else
+                            "a scalar" if values.dim() == 0 else "another number of values than of examples"))
     return _Tap.apply(values, record.guard._loss_weights)  # the weight each loss enters the gradient with
 
 
@@ -627,26 +630,26 @@ class StepGuard:
     def _loss_weights(self, weights: torch.Tensor) -> None:
         if weights.numel() == 0:
             return
-        largest = float(weights.abs().max())
+        largest = float(weights.abs().max())  # never shown: a mean's weight 1/|B| is a Poisson batch's secret size
         k = self.rows_per_example
         if k > 1:  # augmentation multiplicity: rows of one example share the weight 1
             if largest > (1 + 1e-6) / k:
-                self._problem(f"a per-example loss entered the backward with weight {largest:.4g} > 1/K = {1 / k:.4g} "
+                self._problem(f"a per-example loss entered the backward with weight above 1/K = {1 / k:.4g} "
                               f"(augmentation multiplicity K = {k}): the K rows of an example would together exceed "
                               "the certified bound; backpropagate the mean over the K rows of each example, summed "
                               "over the examples")
             elif largest < (1 - 1e-6) / k and not self._warned_scale:
                 self._warned_scale = True
-                warnings.warn(f"the per-example losses enter the backward with weight at most {largest:.4g} < 1/K: "
+                warnings.warn("the per-example losses enter the backward with weights below 1/K: "
                               "this wastes privacy budget; backpropagate the mean over each example's K rows, summed",
                               stacklevel=2)
         elif largest > 1 + 1e-6:
-            self._problem(f"a per-example loss entered the backward with weight {largest:.4g} > 1: its gradient would "
+            self._problem("a per-example loss entered the backward with weight above 1: its gradient would "
                           "exceed the certified bound; backpropagate loss.per_example(model(x), y).sum(), unscaled")
         elif largest < 1 - 1e-6 and not self._warned_scale:
             self._warned_scale = True
             warnings.warn(
-                f"the per-example losses enter the backward with weight at most {largest:.4g} < 1 (a mean or a "
+                "the per-example losses enter the backward with weights below 1 (a mean or a "
                 "scaled loss): the noise is calibrated to the SUM of per-example gradients, so this wastes privacy "
                 "budget; backpropagate loss.per_example(model(x), y).sum()", stacklevel=2)
 
