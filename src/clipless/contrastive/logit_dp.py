@@ -58,7 +58,8 @@ def normalized_embedding(encoder: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``Phi(x) / ||Phi(x)||`` per example, shape ``(n, d)``."""
     e = encoder(x)
     if e.dim() != 2:
-        raise ValueError(f"the encoder must return (batch, embedding_dim), got shape {tuple(e.shape)}")
+        # per-example shape only: a Poisson batch's size is secret
+        raise ValueError(f"the encoder must return (batch, embedding_dim), got per-example shape {tuple(e.shape[1:])}")
     return F.normalize(e, dim=1)
 
 
@@ -869,7 +870,8 @@ def _check_per_example(encoder: nn.Module) -> None:
 def _check_pairs(xa: torch.Tensor, xb: torch.Tensor, method: str, cross_term: str = "exact") -> None:
     _check_cross_term(cross_term)
     if xa.shape != xb.shape:
-        raise ValueError(f"pair sides differ in shape: {tuple(xa.shape)} vs {tuple(xb.shape)}")
+        raise ValueError(f"pair sides differ in shape: per example {tuple(xa.shape[1:])} vs {tuple(xb.shape[1:])}"
+                         + ("" if xa.shape[:1] == xb.shape[:1] else ", and in number"))
     _check_gram_method(method)
     for side, x in (("first", xa), ("second", xb)):
         if x.is_floating_point() and not torch.isfinite(x).all():

@@ -23,7 +23,7 @@ def crop_flip(images: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, mirror: 
     """Per image ``k``: zero-pad by ``padding``, crop back to the original size at offset ``(dy[k], dx[k])``
     (each in ``[0, 2 padding]``), and mirror left-right where ``mirror[k]``.  ``images`` is ``(n, C, H, W)``."""
     if images.dim() != 4:
-        raise ValueError(f"images must be (n, C, H, W), got shape {tuple(images.shape)}")
+        raise ValueError(f"images must be (n, C, H, W), got {images.dim()}-d images")  # no batch size: it is secret
     if padding < 0:
         raise ValueError("padding must be >= 0")
     n, c, h, w = images.shape
@@ -53,7 +53,7 @@ def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, radius: int = 2) ->
     """Blur image ``k`` with a normalized Gaussian kernel of width ``sigma[k]`` (``sigma[k] = 0``: unchanged),
     ``(2 radius + 1)^2`` taps, reflected borders.  ``images`` is ``(n, C, H, W)``."""
     if images.dim() != 4:
-        raise ValueError(f"images must be (n, C, H, W), got shape {tuple(images.shape)}")
+        raise ValueError(f"images must be (n, C, H, W), got {images.dim()}-d images")  # no batch size: it is secret
     n, c, h, w = images.shape
     if n == 0:
         return images

@@ -144,7 +144,9 @@ class Permute(BoundedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != len(self.dims) + 1:
-            raise ValueError(f"Permute{self.dims} expects {len(self.dims) + 1}-d inputs, got shape {tuple(x.shape)}")
+            # per-example shape only: a Poisson batch's size is secret
+            raise ValueError(f"Permute{self.dims} expects {len(self.dims) + 1}-d inputs, got per-example shape "
+                             f"{tuple(x.shape[1:])}")
         return x.permute(0, *self.dims)
 
     def layer_bound(self, x_bound: float, in_shape: Tuple[int, ...]) -> LayerBound:
