@@ -111,8 +111,8 @@ def test_losses_validate_shapes():
 @pytest.mark.parametrize("labels, match", [
     (torch.tensor([0.0, 1.0, 2.0, 1.0]), "expected integer class labels, got torch.float32"),
     (torch.tensor([True, False, True, True]), "expected integer class labels, got torch.bool"),
-    (torch.tensor([0, 1, -1, 2]), r"class indices in \[0, 3\) .* from -1 to 2"),
-    (torch.tensor([0, 1, 3, 2]), r"class indices in \[0, 3\) .* from 0 to 3"),
+    (torch.tensor([0, 1, -1, 2]), r"class indices in \[0, 3\) .*; a label is outside that range$"),
+    (torch.tensor([0, 1, 3, 2]), r"class indices in \[0, 3\) .*; a label is outside that range$"),
 ])
 def test_multiclass_losses_refuse_labels_that_are_not_class_indices(loss, labels, match):
     """Float and boolean labels died in torch ("expected target dtype to be Long"), or, for KCosineSimilarity's
