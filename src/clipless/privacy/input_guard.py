@@ -57,7 +57,7 @@ from .certified import BoundError, DeclaredConstants, ieee_convolutions, ieee_ma
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
            "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "backward_pass_id",
-           "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound"]
+           "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound", "all_finite"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
 _LOGIT_GRAD_TOL = 1e-5
@@ -175,6 +175,12 @@ def largest_norm(x: torch.Tensor, bound: float) -> float:
 # the norm itself is never shown: error messages reach logs, and it is a statistic of a record
 DATA_BOUND_REFUSAL = ("has a norm above the declared input_bound {bound:.6g}: the sensitivity would be wrong; clip the "
                       "data (InputNormClip) or raise input_bound")
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry of ``x`` is finite: a finite sum implies finite entries (NaN and inf propagate), so the
+    full check runs only when the sum is not finite (one pass in the common case)."""
+    return not x.is_floating_point() or bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def above_data_bound(x: torch.Tensor, bound: float) -> bool:
@@ -323,7 +329,7 @@ class InputGuard(DeclaredConstants, _Guard):
         if tuple(x.shape[1:]) != self.input_shape:
             raise BoundError(f"input of per-example shape {tuple(x.shape[1:])}, expected {self.input_shape}")
         # A finite sum implies finite entries (NaN and inf propagate); only a non-finite sum needs the full check.
-        if x.is_floating_point() and not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
+        if not all_finite(x):
             raise BoundError("input contains NaN or infinite values")
         checked = module.training or torch.is_grad_enabled()
         if checked:
@@ -732,7 +738,7 @@ class StepGuard:
         taints the backward, so nothing else can reach an accumulated gradient unseen."""
         if self._paused:
             return None
-        if not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):  # one pass when finite
+        if not all_finite(grad):
             self._problem(f"weight '{name}' of the private model got a gradient that is not finite (NaN or inf in the "
                           "backward: a layer's derivative divided by zero or overflowed); no bound covers it")
         parts = self._through.pop(key, []) if backward_pass_id() == self._through_task else []

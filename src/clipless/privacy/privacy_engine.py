@@ -16,7 +16,7 @@ from .bounds import BoundEngine, check_input_shape
 from .calibration import plan_noise, planned_steps
 from .certified import BoundError
 from .distributed import DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks, world
-from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound
+from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
 from .sampling import dataset_size, expected_batch_size, in_memory_records, poisson_data_loader, poisson_threshold
@@ -73,7 +73,7 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
         raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's input_shape is "
                          f"{tuple(input_shape)}")
     for rows, targets in zip(inputs.split(1 << 16), labels.split(1 << 16)):
-        if rows.is_floating_point() and not bool(torch.isfinite(rows).all()):
+        if not all_finite(rows):
             raise ValueError(f"{what} contains NaN or infinite values; clean the data before private training")
         if data_bound is not None and above_data_bound(rows, data_bound):
             raise BoundError(f"{what}: a record {DATA_BOUND_REFUSAL.format(bound=data_bound)}")
