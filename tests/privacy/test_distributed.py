@@ -48,9 +48,23 @@ class _Recorder(torch.optim.Optimizer):
         self.released = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
 
 
-def _private(model, optimizer, x, y, **kwargs):
+class _Read(torch.utils.data.Dataset):
+    """Records made on each read (no tensors handed over): make_private reads the rank's shard to check them."""
+
+    def __init__(self, x, y) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i].clone(), int(self.y[i])
+
+
+def _private(model, optimizer, x, y, data=None, **kwargs):
     return cl.PrivacyEngine().make_private(
-        module=model, optimizer=optimizer, data=cl.ArrayDataset(x, y), loss=cl.TauCrossEntropy(4.0),
+        module=model, optimizer=optimizer, data=cl.ArrayDataset(x, y) if data is None else data,
+        loss=cl.TauCrossEntropy(4.0),
         noise_multiplier=kwargs.pop("noise_multiplier", 1.0), input_shape=SHAPE, batch_size=16.0, input_bound=4.0,
         noise_generator=make_generator(7, stream=2), external_batches=True, **kwargs)
 
@@ -192,6 +206,17 @@ def _scenario(rank: int, size: int, scenario: str, out: str) -> dict:
         resumed.load_checkpoint(path)
         result["continues"] = torch.equal(resumed.sampling_generator.get_state(), drawn)
         result["restarted"] = torch.equal(trainer().sampling_generator.get_state(), drawn)
+    elif scenario == "far-record":  # record 5, in rank 1's shard, is above the input bound
+        far = x.clone()
+        far[5] *= 2
+        result["refused"] = []
+        for data in (_Read(far, y), _Read(x, y)):
+            try:
+                model = _model()
+                _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, data=data)
+                result["refused"].append("")
+            except BoundError as err:
+                result["refused"].append(str(err))
     elif scenario == "mismatch":
         model = _model()
         try:
@@ -266,6 +291,15 @@ def test_a_seeded_resume_continues_every_rank_sampling_stream() -> None:
     first steps (inclusions correlated across steps, which the accountant assumes independent)."""
     results = _run("resume-streams")
     assert all(r["continues"] and not r["restarted"] for r in results)
+
+
+def test_a_bad_record_in_one_ranks_shard_is_refused_by_every_rank_before_any_step() -> None:
+    """Each rank reads its own shard of a dataset not in memory; rank 1's refusal is every rank's (before, the record
+    was met at whichever step's Poisson batch first held it, on rank 1 only)."""
+    (rank0, rank1) = _run("far-record")
+    assert "a record has a norm above the declared input_bound" in rank1["refused"][0]
+    assert "rank(s) [1] refused a record of their shard of the training data" in rank0["refused"][0]
+    assert rank0["refused"][1] == rank1["refused"][1] == ""
 
 
 def test_mismatched_ranks_are_refused_on_every_rank() -> None:

@@ -99,8 +99,9 @@ def test_input_bound_violated_by_data_refused(data):
 
 def test_make_private_checks_every_in_memory_record_before_any_step():
     """In a loop of one's own too: a record the step would refuse is refused by make_private, not at whichever step
-    first draws it.  Datasets that hold their records as tensors are read whole (``in_memory_records()``,
-    ``TensorDataset(x, y)``, a ``Subset`` of either); others are checked batch by batch, as before."""
+    first draws it.  Datasets that hold their records as tensors are checked from them (``in_memory_records()``,
+    ``TensorDataset(x, y)``, a ``Subset`` of either); others are read once (next test), or, with
+    ``check_records=False``, checked batch by batch by the step."""
     from torch.utils.data import Dataset, Subset, TensorDataset
 
     x = torch.rand(40, *SHAPE) / 4  # 16 pixels in [0, 1/4]: norms <= 1
@@ -124,11 +125,12 @@ def test_make_private_checks_every_in_memory_record_before_any_step():
     class Streamed(Records):  # the same, without handing its records over
         in_memory_records = None
 
-    def private(dataset):
+    def private(dataset, **kwargs):
         model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=None)
         return cl.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=dataset,
-            loss=cl.TauCrossEntropy(), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0, input_bound=1.0)
+            loss=cl.TauCrossEntropy(), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0, input_bound=1.0,
+            **kwargs)
 
     for dataset in (cl.ArrayDataset(far, y), TensorDataset(far, y), Subset(TensorDataset(far, y), range(5, 15)),
                     Records(far, y)):
@@ -137,13 +139,88 @@ def test_make_private_checks_every_in_memory_record_before_any_step():
     with pytest.raises(ValueError, match=r"the training data: labels must be class indices in \[0, 3\)"):
         private(TensorDataset(x, y + 1))
     private(Subset(TensorDataset(far, y), range(10, 40)))  # the far record is not in it
-    # read only by the loader (every record far here, so that the first batch holds one): the step refuses it
-    model, optimizer, loader = private(Streamed(x * 8, y))
+    # not read ahead (check_records=False; every record far here, so that the first batch holds one): the step
+    # refuses it
+    model, optimizer, loader = private(Streamed(x * 8, y), check_records=False)
     with pytest.raises(BoundError, match="an input of the batch has a norm above"):
         for inputs, labels in loader:
             optimizer.zero_grad()
             cl.TauCrossEntropy().per_example(model(inputs), labels).sum().backward()
             optimizer.step()
+
+
+def test_make_private_reads_every_record_of_a_dataset_not_in_memory_before_any_step():
+    """A dataset that hands over no tensors (records read from files, built in ``__getitem__``) is read once, in order,
+    by make_private: a bad record anywhere in it is refused before any step, not at the step whose secret Poisson
+    batch first holds it (a stop whose timing depends on the sampling and on that record).  The read goes through the
+    loader's collate (and a dataset's ``gather``); a distributed rank reads its own shard."""
+    from torch.utils.data import Dataset, Subset
+
+    from clipless.privacy.sampling import record_chunks
+
+    x = torch.rand(40, *SHAPE) / 4  # norms <= 1
+    y = torch.randint(0, 3, (40,))
+    reads = []
+
+    class Files(Dataset):  # records made on each read, as from files
+        def __init__(self, inputs, labels):
+            self.inputs, self.labels = inputs, labels
+
+        def __len__(self):
+            return len(self.labels)
+
+        def __getitem__(self, i):
+            reads.append(i)
+            return self.inputs[i].clone(), int(self.labels[i])
+
+    class Gathered(Files):
+        def gather(self, indices):
+            return self.inputs[indices].clone(), self.labels[indices].clone()
+
+    def private(dataset, **kwargs):
+        model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=None)
+        return cl.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=dataset,
+            loss=cl.TauCrossEntropy(), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0, input_bound=1.0,
+            **kwargs)
+
+    def changed(i, value=None, label=None):
+        inputs, labels = x.clone(), y.clone()
+        if value is not None:
+            inputs[i] = value
+        if label is not None:
+            labels[i] = label
+        return inputs, labels
+
+    for kind in (Files, Gathered):
+        far = kind(*changed(37, value=x[37] * 8))
+        with pytest.raises(BoundError, match="the training data: a record has a norm above the declared input_bound"):
+            private(far)
+        with pytest.raises(BoundError, match="a record has a norm above"):
+            private(Subset(far, range(30, 40)))
+        private(Subset(far, range(0, 30)))  # the far record is not in it
+        with pytest.raises(ValueError, match="the training data contains NaN or infinite values"):
+            private(kind(*changed(21, value=torch.full(SHAPE, float("nan")))))
+        with pytest.raises(ValueError, match=r"the training data: labels must be class indices in \[0, 3\)"):
+            private(kind(*changed(39, label=3)))
+        private(kind(x, y))
+    reads.clear()
+    private(Files(x, y))
+    # each record read once, record 0 twice more: the two collates' templates of an empty batch
+    assert sorted(set(reads)) == list(range(40)) and len(reads) == 42
+    with pytest.raises(ValueError, match=r"per-example shape \(1, 4, 5\)"):
+        private(Files(torch.rand(40, 1, 4, 5) / 8, y))
+    # check_records=False: no read ahead; the step refuses the record when a batch holds it
+    reads.clear()
+    private(Files(*changed(37, value=x[37] * 8)), check_records=False)
+    assert len(reads) <= 1
+    # records that are not (input, label) pairs are left to the step, whose loop unpacks them
+    triples = type("Triples", (Dataset,), {"__len__": lambda self: 3,
+                                           "__getitem__": lambda self, i: (torch.zeros(2), 0, i)})()
+    assert list(record_chunks(triples)) == []
+    chunks = list(record_chunks(Files(x, y), indices=range(1, 40, 3), chunk=5))
+    assert torch.equal(torch.cat([c[0] for c in chunks]), x[1::3]) and torch.equal(torch.cat([c[1] for c in chunks]),
+                                                                                   y[1::3])
 
 
 def test_the_input_bounds_tolerance_is_inside_the_certified_bound():

@@ -100,9 +100,13 @@ def check_distinct_on_all_ranks(value: Any, what: str) -> None:
                          "make_generator(seed, stream=1 + 1000 * rank)")
 
 
-def same_outcome_on_all_ranks(run: Callable[[], T], device: Any = "cpu") -> T:
+_STEP_REFUSED = ("refused this step (their error says why): no rank released it; call optimizer.zero_grad() and run "
+                 "the next batch on every rank")
+
+
+def same_outcome_on_all_ranks(run: Callable[[], T], device: Any = "cpu", refused: str = _STEP_REFUSED) -> T:
     """``run()`` on every rank; if it raises on any rank, every rank raises (the rank's own error, or one naming
-    the ranks that failed), so that no rank goes on to a collective its peers never join."""
+    the ranks that failed, then ``refused``), so that no rank goes on to a collective its peers never join."""
     rank, size = world()
     failure: Optional[Exception] = None
     result: Optional[T] = None
@@ -117,8 +121,7 @@ def same_outcome_on_all_ranks(run: Callable[[], T], device: Any = "cpu") -> T:
         raise failure
     failed = [r for r, flag in enumerate(flags.tolist()) if flag]
     if failed:
-        raise BoundError(f"rank(s) {failed} refused this step (their error says why): no rank released it; call "
-                         "optimizer.zero_grad() and run the next batch on every rank")
+        raise BoundError(f"rank(s) {failed} {refused}")
     return result  # type: ignore[return-value]
 
 

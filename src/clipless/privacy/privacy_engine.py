@@ -15,11 +15,13 @@ from .accounting import PrivacyAccountant, check_delta
 from .bounds import BoundEngine, check_input_shape
 from .calibration import plan_noise, planned_steps
 from .certified import BoundError
-from .distributed import DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks, world
+from .distributed import (DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks,
+                          same_outcome_on_all_ranks, world)
 from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
-from .sampling import dataset_size, expected_batch_size, in_memory_records, poisson_data_loader, poisson_threshold
+from .sampling import (dataset_size, expected_batch_size, in_memory_records, poisson_data_loader, poisson_threshold,
+                       record_chunks)
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records"]
 
@@ -59,26 +61,27 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
 
 @torch.no_grad()
 def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLoss, input_shape: Tuple[int, ...],
-                          output_shape: Tuple[int, ...], data_bound: Optional[float] = None) -> None:
-    """Every record of an in-memory dataset (:func:`~clipless.privacy.sampling.in_memory_records`), checked as the
-    private step checks a batch, before any step: its per-example shape, finite values, the data bound (training
-    data) and its label by the loss's own rule for the model's output shape.  A record that fails would otherwise
-    stop the run at the step whose Poisson batch first holds it: after a number of released steps that depends on
-    that record, or never."""
-    records = in_memory_records(data) if data is not None else None
-    if records is None:
+                          output_shape: Tuple[int, ...], data_bound: Optional[float] = None, read: bool = True,
+                          indices: Optional[Sequence[int]] = None) -> None:
+    """Every record of ``data`` (of ``indices`` if given), checked as the private step checks a batch, before any
+    step: its per-example shape, finite values, the data bound (training data) and its label by the loss's own rule
+    for the model's output shape.  A record that fails would otherwise stop the run at the step whose Poisson batch
+    first holds it: after a number of released steps that depends on that record, or never.  An in-memory dataset
+    is checked from its tensors; another is read once in order (:func:`~clipless.privacy.sampling.record_chunks`),
+    unless ``read=False``.  A dataset whose records change from one read to the next (random transforms in
+    ``__getitem__``) is checked on the draws read here; the step checks its later draws."""
+    if data is None or (not read and in_memory_records(data) is None):
         return
-    inputs, labels = (torch.as_tensor(t) for t in records)  # a dataset of one's own may hand over arrays
-    if tuple(inputs.shape[1:]) != tuple(input_shape):
-        raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's input_shape is "
-                         f"{tuple(input_shape)}")
-    for rows, targets in zip(inputs.split(1 << 16), labels.split(1 << 16)):
-        if not all_finite(rows):
+    for inputs, labels in record_chunks(data, indices):
+        if tuple(inputs.shape[1:]) != tuple(input_shape):
+            raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's "
+                             f"input_shape is {tuple(input_shape)}")
+        if not all_finite(inputs):
             raise ValueError(f"{what} contains NaN or infinite values; clean the data before private training")
-        if data_bound is not None and above_data_bound(rows, data_bound):
+        if data_bound is not None and above_data_bound(inputs, data_bound):
             raise BoundError(f"{what}: a record {DATA_BOUND_REFUSAL.format(bound=data_bound)}")
         try:
-            loss.per_example(torch.zeros((targets.shape[0], *output_shape), device=targets.device), targets)
+            loss.per_example(torch.zeros((labels.shape[0], *output_shape), device=labels.device), labels)
         except ValueError as err:
             raise ValueError(f"{what}: {err}") from None
 
@@ -136,6 +139,7 @@ class PrivacyEngine(DeclaredConstants):
         distributed: Optional[bool] = None,
         augmentation_multiplicity: int = 1,
         external_batches: bool = False,
+        check_records: bool = True,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(module, dp_optimizer, poisson_loader)``.
 
@@ -159,8 +163,10 @@ class PrivacyEngine(DeclaredConstants):
         bound, the noise and the accounting are unchanged: the mean of ``K`` gradients within the bound is.
         Each step must release exactly one new batch of ``poisson_loader``; ``external_batches=True`` lifts
         that check for a loop that draws Poisson batches at rate ``batch_size / len(data)`` by other means
-        (the accountant assumes it does; nothing can check it).  Every record of an in-memory ``data`` is
-        checked first, by the step's own rules (:func:`check_dataset_records`).
+        (the accountant assumes it does; nothing can check it).  Every record of ``data`` is checked first, by
+        the step's own rules (:func:`check_dataset_records`): a dataset that is not in memory is read once for it
+        (on each rank, its own shard), unless ``check_records=False``; its records are then checked only when a
+        batch holds them, and a bad one stops the run at a step that depends on the secret sampling.
         """
         self.check_accountant()
         if not isinstance(loss, LipschitzLoss):
@@ -211,7 +217,15 @@ class PrivacyEngine(DeclaredConstants):
         poisson_threshold(sample_rate)  # refuses a rate the sampler cannot realise, before anything runs
         x0, data_bound = resolve_input_bound(module, input_bound)
         engine = BoundEngine(module, input_shape, x0, loss)
-        check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound)
+        if distributed:  # each rank reads its own shard; a refusal on one is a refusal on all (no rank left waiting)
+            same_outcome_on_all_ranks(lambda: check_dataset_records(
+                dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound,
+                read=check_records, indices=range(rank, n, world_size)),
+                refused="refused a record of their shard of the training data (their error says which check): no "
+                        "rank goes on; clean the data")
+        else:
+            check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape,
+                                  data_bound, read=check_records)
         steps_per_epoch = max(1, round(1.0 / sample_rate))
         plan = plan_noise(
             engine.compute(),

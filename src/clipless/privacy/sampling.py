@@ -15,7 +15,7 @@ from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
            "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS",
-           "in_memory_records"]
+           "in_memory_records", "record_chunks"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
@@ -54,6 +54,33 @@ def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     if isinstance(data, TensorDataset) and len(data.tensors) == 2:
         return data.tensors[0], data.tensors[1]
     return None
+
+
+def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None,
+                  chunk: int = 1 << 12) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Every record of ``data`` (those of ``indices`` if given) as ``(inputs, labels)`` chunks, as the Poisson
+    loader yields them: an in-memory dataset's tensors (:func:`in_memory_records`), another dataset read once in
+    order through the loader's collate.  Stops at a chunk that is not an ``(inputs, labels)`` pair of tensors (records
+    of another structure are checked when a batch holds them)."""
+    records = in_memory_records(data)
+    if records is not None:
+        inputs, labels = (torch.as_tensor(t) for t in records)  # a dataset of one's own may hand over arrays
+        if indices is not None:
+            index = torch.as_tensor(list(indices), dtype=torch.long)
+            inputs, labels = inputs[index], labels[index]
+        yield from zip(inputs.split(chunk), labels.split(chunk))
+        return
+    order = list(range(len(data))) if indices is None else list(indices)  # type: ignore[arg-type]
+    if not order:
+        return
+    view = _GatherView(data) if hasattr(data, "gather") else data
+    loader = DataLoader(view, batch_sampler=[order[i:i + chunk] for i in range(0, len(order), chunk)],
+                        collate_fn=BatchCollator(data))
+    for batch in loader:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+                and all(isinstance(t, torch.Tensor) for t in batch)):
+            return
+        yield batch[0], batch[1]
 
 
 def expected_batch_size(batch_size: Any, records: int) -> float:
