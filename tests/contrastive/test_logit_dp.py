@@ -1737,6 +1737,59 @@ def test_non_finite_views_and_overflowing_encoders_refused_clearly() -> None:
         logit_dp_gradient(overflow, good, good, "contrastive", 1.0, 1.0)
 
 
+@pytest.mark.parametrize("method", ["logit_dp", "naive_dp"])
+def test_a_bad_training_pair_is_refused_before_any_private_step(method) -> None:
+    """A pair the step refuses (a NaN or infinite view, views of another shape) stopped a private pre-training at
+    the step whose secret Poisson batch first held it, after a number of released steps that depends on that pair.
+    The pre-trainer now checks every pair at construction: a pair dataset of one's own is read once, in order; one
+    that declares its ``record_tensors()`` (``AugmentedPairs``, ``GivenPairs``) is checked from them."""
+    from torch.utils.data import Dataset
+
+    data, _ = _digits_pairs()
+    x = data.train.features
+
+    class Read(Dataset):  # pairs built on each read, handing no tensors over
+        def __init__(self, images):
+            self.images = images
+
+        def __len__(self):
+            return len(self.images)
+
+        def __getitem__(self, i):
+            return self.images[i].clone(), self.images[i].flip(-1)
+
+    bad = x.clone()
+    bad[len(x) - 3, 0, 2, 5] = float("nan")
+    with pytest.raises(ValueError, match="the training pairs contain NaN or infinite values"):
+        _trainer(method, pairs=Read(bad))
+    bad[len(x) - 3, 0, 2, 5] = float("inf")
+    with pytest.raises(ValueError, match="the training pairs contain NaN or infinite values"):
+        _trainer(method, pairs=Read(bad))
+
+    class Cropped(Read):  # one pair's second view is smaller
+        def __getitem__(self, i):
+            a, b = super().__getitem__(i)
+            return a, (b[..., 1:] if i == 1000 else b)
+
+    with pytest.raises(ValueError, match="the training pairs"):
+        _trainer(method, pairs=Cropped(x))
+    t = _trainer(method, pairs=Read(x), epochs=1)
+    t.fit()
+    assert t.accountant.steps == t.planned_steps
+    # the built-in pair datasets are checked from the tensors they hold, without drawing an augmentation
+    pairs = AugmentedPairs(x.clone(), padding=1, flip=False, seed=0)
+    _trainer(method, pairs=pairs)
+    assert pairs.draws.tolist() == [1] + [0] * (len(x) - 1)  # the loader's collate: record 0, its empty batch's shape
+    pairs.images[7, 0, 1, 1] = float("inf")  # changed in place after construction
+    with pytest.raises(ValueError, match="the training pairs' data contains 1 NaN or infinite values"):
+        _trainer(method, pairs=pairs)
+    given = GivenPairs(x.clone(), x.clone())
+    given.xb[3, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="the training pairs' data contains 1 NaN or infinite values"):
+        _trainer(method, pairs=given)
+    _trainer("nonprivate", pairs=given)  # no private step, no check
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0.0, -1.0, "1"])
 def test_clip_norms_and_temperatures_must_be_positive_and_finite(bad):
     """An infinite B was accepted: the sensitivity was infinite and the first noisy step overflowed.  A string

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from ..data.datasets import check_held_out
+from ..data.datasets import check_finite, check_held_out
 from ..nn.functional import whole_number
 from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_delta,
                                   check_nothing_released)
@@ -30,7 +30,8 @@ from ..privacy.optimizer import changed_state, put_back_changes_, restore_state_
 from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
-from ..privacy.sampling import expected_batch_size, poisson_data_loader
+from ..privacy.input_guard import all_finite
+from ..privacy.sampling import expected_batch_size, poisson_data_loader, record_chunks
 from ..train.checkpoint import (check_fits, check_records, checkpoint_destination, fingerprint_key_for,
                                 keyed_fingerprint, load_checkpoint, read_fingerprint_key, save_checkpoint)
 from .logit_dp import (
@@ -141,6 +142,33 @@ def _check_pair_dataset(pairs: Optional[Dataset], what: str) -> None:
                          f"held-out images), got records of {kinds}")
 
 
+def _check_pair_records(pairs: Dataset) -> None:
+    """Every pair a private step could draw, checked before any step as the step checks its batch (finite views, one
+    shape for every view): a bad pair would otherwise stop the run at the step whose secret Poisson batch first
+    holds it.  A dataset that declares the tensors it draws its views from (``record_tensors()``: the crops, blurs
+    and pixel noise of :class:`AugmentedPairs` are finite for finite images) is checked from them; any other is read
+    once, in order."""
+    own = getattr(pairs, "record_tensors", None)
+    if callable(own):
+        for tensor in own():
+            check_finite(tensor, "the training pairs' data")
+        return
+    _check_pair_dataset(pairs, "pairs")
+    shape = None
+    try:
+        for xa, xb in record_chunks(pairs):
+            if xa.shape[1:] != xb.shape[1:] or shape not in (None, xa.shape[1:]):
+                raise ValueError("the training pairs hold views of different per-example shapes "
+                                 f"({tuple(xa.shape[1:])}, {tuple(xb.shape[1:])}"
+                                 + ("" if shape is None else f", {tuple(shape)}") + "): every view must have one shape")
+            shape = xa.shape[1:]
+            if not (all_finite(xa) and all_finite(xb)):
+                raise ValueError("the training pairs contain NaN or infinite values; clean the data before private "
+                                 "training")
+    except RuntimeError as err:  # the collate of records of different shapes
+        raise ValueError(f"the training pairs cannot be read into batches: {err}") from None
+
+
 def _check_state_unchanged(encoder: nn.Module, before: Dict[str, torch.Tensor]) -> None:
     """The gradient pass of a private step may change nothing of the encoder: a parameter or buffer changed by a
     forward (a running average, a weight normalised in place) holds a function of the batch without noise."""
@@ -234,6 +262,7 @@ class ContrastivePretrainer(DeclaredConstants):
         sensitivity: Optional[float] = None
         if method != "nonprivate":
             _check_no_running_statistics(encoder)
+            _check_pair_records(pairs)
             if delta is None:
                 raise ValueError("a private method needs delta")
             check_delta(delta, n)
