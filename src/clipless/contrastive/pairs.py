@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data.datasets import check_finite, tensors_fingerprint
+from ..privacy.certified import is_whole
 
 __all__ = ["crop_flip", "random_crop_flip", "gaussian_blur", "AugmentedPairs", "GivenPairs"]
 
@@ -84,7 +85,7 @@ class AugmentedPairs(Dataset):
         if images.dim() != 4:
             raise ValueError(f"images must be (N, C, H, W), got shape {tuple(images.shape)}")
         side = min(images.shape[-2:])
-        if isinstance(padding, bool) or not isinstance(padding, int) or not 0 <= padding < side:
+        if not is_whole(padding) or not 0 <= padding < side:
             # a shift of a whole side or more crops views that are mostly or wholly the zero padding
             raise ValueError(f"padding (the random-crop shift) must be an integer in [0, {side}) for "
                              f"{tuple(images.shape[-2:])} images, got {padding!r}")

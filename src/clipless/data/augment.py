@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..privacy.certified import is_whole
+
 __all__ = ["ImageAugmentation"]
 
 
@@ -19,7 +21,7 @@ class ImageAugmentation:
     horizontal flip, of a batch ``(B, C, H, W)``.  Never increases an example's norm."""
 
     def __init__(self, shift: int = 2, flip: bool = False) -> None:
-        if isinstance(shift, bool) or not isinstance(shift, int) or shift < 0:
+        if not is_whole(shift) or shift < 0:
             raise ValueError(f"shift must be an integer >= 0, got {shift!r}")
         self.shift, self.flip = shift, bool(flip)
 

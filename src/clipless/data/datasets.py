@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
-import numbers
 import struct
 import zlib
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ..nn.functional import whole_number
+from ..privacy.certified import is_whole
 
 __all__ = [
     "ArrayDataset",
@@ -556,7 +556,7 @@ def load_tabular(
                 raise ValueError(f"{p.name} has no column named {label_column!r}" +
                                  (f" (its columns: {', '.join(header)})" if has_header else " (it has no header)"))
             col = header.index(label_column)
-        elif isinstance(label_column, bool) or not isinstance(label_column, numbers.Integral) or not (
+        elif not is_whole(label_column) or not (
                 -width <= label_column < width):
             raise ValueError(f"label_column must be a column name or an index in [-{width}, {width}) for the "
                              f"{width} columns of {p.name}, got {label_column!r}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 from typing import Dict, List
 
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 
 from ..nn.functional import whole_number
 from ..privacy.bounds import BoundReport
-from ..privacy.certified import BoundError
+from ..privacy.certified import BoundError, is_real
 from ..privacy.input_guard import paused_guards
 from ..privacy.modules import LipschitzLoss, step_mechanisms
 
@@ -69,7 +68,7 @@ class TightnessMonitor:
     def __init__(self, every: int = 50, sample: int = 8, tol: float = 1e-4) -> None:
         self.every, self.sample = whole_number(every, "every"), whole_number(sample, "sample")
         # a NaN tolerance would pass every ratio (no comparison with NaN is true): the check would be off silently
-        if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not 0 <= tol < math.inf:
+        if not is_real(tol) or not 0 <= tol < math.inf:
             raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
         self.tol = float(tol)
         self.worst: Dict[str, float] = {}

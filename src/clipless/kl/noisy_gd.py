@@ -15,7 +15,6 @@ remove ``z_j``: ``Delta g = (g_j - gbar) / (n - 1)``; add ``z``: ``Delta g = (gb
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 from ..data.datasets import check_finite
 from ..nn.functional import finite_at_least, whole_number
 from ..privacy.accounting import check_positive_finite
+from ..privacy.certified import is_whole
 from ..privacy import secret_generator
 from .networks import (
     INIT_SCHEMES,
@@ -273,7 +273,7 @@ def kl_trace(
     NOT private against anyone who knows ``seed`` (``trace.extra["randomness"]`` says which).  The trace itself
     is computed from the training records without noise (a measurement, not a private release)."""
     runs = whole_number(runs, "runs")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+    if seed is not None and (not is_whole(seed)):
         raise ValueError(f"seed must be an integer or None (OS entropy), got {seed!r}")
     max_gaps, losses, models = [], [], []
     mean_gaps: Optional[Tensor] = None

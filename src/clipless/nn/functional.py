@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..privacy.certified import (
+    is_real,
+    is_whole,
     CERT_MARGIN,
     BoundError,
     CertifiedValueCache,
@@ -115,14 +116,14 @@ def clip_norm_(tensor: torch.Tensor, max_norm: float) -> None:
 def whole_number(value: int, name: str, minimum: int = 1) -> int:
     """An integer constant (a width, a kernel size, a class count) ``>= minimum``: ``2.5`` classes would have
     declared ``sqrt(2.5/1.5)`` for a loss computed with 2, ``True`` would read as 1."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if not is_whole(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
 def finite_at_least(value: float, name: str, minimum: float = 0.0) -> float:
     """A real constant (a margin, a weight in a loss) that must be finite and ``>= minimum``."""
-    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not (is_real(value) and math.isfinite(value)
             and value >= minimum):
         raise ValueError(f"{name} must be a finite number >= {minimum:g}, got {value!r}")
     return float(value)
@@ -131,7 +132,7 @@ def finite_at_least(value: float, name: str, minimum: float = 0.0) -> float:
 def check_bias_bound(bias_bound: float) -> float:
     """The bias projection's radius; the bounds use the bias's own certified norm, so ``inf`` (no projection) is
     sound, while a negative or NaN radius would crash or silently skip the projection."""
-    if isinstance(bias_bound, bool) or not isinstance(bias_bound, numbers.Real) or not bias_bound >= 0:
+    if not is_real(bias_bound) or not bias_bound >= 0:
         raise ValueError(f"bias_bound must be a number >= 0 (inf: no projection of the bias), got {bias_bound!r}")
     return float(bias_bound)
 

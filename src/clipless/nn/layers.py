@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Sequence, Tuple, Union
 
 import torch
@@ -10,6 +9,7 @@ import torch.nn.functional as F
 
 from ..privacy.modules import BoundedModule, InputClip, LayerBound
 from ..privacy.accounting import check_positive_finite
+from ..privacy.certified import is_whole
 from .functional import broadcast_per_example, l2_norm_pool2d, max_min, per_example_norm, whole_number
 
 __all__ = ["InputNormClip", "GroupSort", "MaxMin", "L2NormPool2d", "ScaledAvgPool2d", "Permute", "LayerCentering"]
@@ -53,7 +53,7 @@ class GroupSort(BoundedModule):
     def __init__(self, group_size: int = 2, dim: int = 1) -> None:
         super().__init__()
         group_size = whole_number(group_size, "group_size", 2)
-        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        if not is_whole(dim):
             raise ValueError(f"dim must be an integer axis, got {dim!r}")
         if dim == 0:
             raise ValueError("dim 0 is the batch axis")
@@ -172,7 +172,7 @@ class LayerCentering(BoundedModule):
             if not dims:
                 raise ValueError("LayerCentering(dims=()) would average over every axis, the batch axis included; "
                                  "name the per-example axes (or leave dims=None for all of them)")
-            if any(isinstance(d, bool) or not isinstance(d, int) for d in dims) or len(set(dims)) != len(dims):
+            if not all(is_whole(d) for d in dims) or len(set(dims)) != len(dims):
                 raise ValueError(f"LayerCentering dims must be distinct integers, got {dims}")
             if any(d == 0 for d in dims):
                 raise ValueError("centering over the batch axis (dim 0) couples examples")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import dp_accounting
 from dp_accounting import pld, rdp
 
-from .certified import DeclaredConstants
+from .certified import DeclaredConstants, is_real, is_whole
 
 __all__ = [
     "bind_accountant",
@@ -62,7 +62,7 @@ def gradient_noise_multiplier(step_sigma: float, other_sigmas: Sequence[float]) 
 
 def check_delta(delta: float, dataset_size: int) -> None:
     """Refuse ``delta`` outside ``(0, 1/N)``: larger deltas permit releasing a record outright."""
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (0 < delta < 1.0 / dataset_size):
+    if not is_real(delta) or not (0 < delta < 1.0 / dataset_size):
         raise ValueError(
             f"delta={delta} must satisfy 0 < delta < 1/N = {1.0 / dataset_size:.3g} for a dataset of "
             f"N={dataset_size} records"
@@ -112,7 +112,7 @@ PLD_MIN_DELTA = 1e-14
 
 
 def _check_delta_resolvable(mechanism: str, delta: float) -> None:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+    if not is_real(delta) or not 0 < delta < 1:
         raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
     if mechanism == "pld" and delta < PLD_MIN_DELTA:
         raise ValueError(f"delta={delta:g} is below {PLD_MIN_DELTA:g}, the smallest delta the PLD accountant resolves "
@@ -123,20 +123,20 @@ def _check_delta_resolvable(mechanism: str, delta: float) -> None:
 def check_positive_finite(value: Any, what: str) -> float:
     """A noise multiplier or an epsilon as a float: ``True`` would read as 1, NaN fails every comparison (so every
     check after it), and a string compares with nothing."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+    if not is_real(value) or not 0 < value < math.inf:
         raise ValueError(f"{what} must be a positive finite number, got {value!r}")
     return float(value)
 
 
 def _check_rate(sample_rate: Any) -> None:
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real) or not 0 < sample_rate <= 1:
+    if not is_real(sample_rate) or not 0 < sample_rate <= 1:
         raise ValueError(f"sample rate must be in (0, 1], got {sample_rate!r}")
 
 
 def _step_count(steps: Any) -> int:
     """A number of composed steps: a whole number >= 0.  ``int()`` would truncate 2.7 to 2 and a negative count
     merged into the history would take steps away, each a silently low epsilon."""
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Real) or not (
+    if not is_real(steps) or not (
             isinstance(steps, numbers.Integral) or float(steps).is_integer()) or steps < 0:
         raise ValueError(f"a step count must be a whole number >= 0, got {steps!r}")
     return int(steps)
@@ -161,7 +161,7 @@ def check_accounted_steps(accountant_state: Dict[str, Any], steps: Any, path: An
     under-report epsilon from the resumed run on."""
     accountant = PrivacyAccountant(accountant_state.get("mechanism", "pld"))
     accountant.load_state_dict(accountant_state)
-    if isinstance(steps, bool) or not isinstance(steps, int) or accountant.steps != steps:
+    if not is_whole(steps) or accountant.steps != steps:
         raise ValueError(f"checkpoint {path}: its accountant composed {accountant.steps} steps but the run records "
                          f"{steps!r} released steps; resume from an intact checkpoint or restart training")
 
@@ -380,7 +380,7 @@ def calibrate_steps(
     """Largest number of steps, at most ``max_steps``, whose epsilon is ``<= target_epsilon`` (0 if even one step
     exceeds it).  Epsilon grows with the steps: doubling brackets the answer, bisection finds it, and every
     answer is a count whose epsilon was evaluated."""
-    if isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral) or max_steps < 1:
+    if not is_whole(max_steps) or max_steps < 1:
         raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
     check_positive_finite(target_epsilon, "target epsilon")  # NaN or a negative target would answer 0 steps
 

@@ -20,7 +20,6 @@ add/remove sensitivity of that layer's summed gradient.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .certified import BoundError, DeclaredConstants
+from .certified import BoundError, DeclaredConstants, is_whole
 from .input_guard import global_hooks_registered, module_hooks, replaced_forward
 from .modules import BoundedModule, LayerBound, PerStepMechanism, Residual
 
@@ -158,7 +157,7 @@ def check_input_shape(input_shape: Any) -> Tuple[int, ...]:
         dims = tuple(input_shape)
     except TypeError:
         dims = None
-    if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in dims):
+    if not dims or any(not is_whole(d) or d < 1 for d in dims):
         raise ValueError(f"input_shape must be the per-example shape, a tuple of positive whole numbers such as "
                          f"(64,) or (1, 28, 28) (the batch dimension left out), got {input_shape!r}")
     return tuple(int(d) for d in dims)

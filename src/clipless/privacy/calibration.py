@@ -18,7 +18,6 @@ Meanings, the same everywhere:
 from __future__ import annotations
 
 import math
-import numbers
 import types
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
@@ -32,6 +31,7 @@ from .accounting import (
     gradient_noise_multiplier,
 )
 from .bounds import BoundReport
+from .certified import is_real, is_whole
 from .noise import STRATEGIES, allocate_layer_noise, noise_energy_allocation
 
 __all__ = ["NoisePlan", "plan_noise", "planned_steps", "BudgetExhaustedError"]
@@ -92,7 +92,7 @@ class NoisePlan:
 
 def planned_steps(epochs: object, steps_per_epoch: int) -> int:
     """``epochs * steps_per_epoch`` for a whole, positive number of epochs (a fraction would be rounded: refused)."""
-    if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral):
+    if not is_whole(epochs):
         if isinstance(epochs, float) and epochs.is_integer():
             epochs = int(epochs)
         else:
@@ -123,7 +123,7 @@ def _relative_weights(report: Optional[BoundReport], strategy: str, weights: Lay
         raise ValueError(f"layer_noise_multipliers name unknown layers {sorted(unknown)}; layers are {names}")
     # a weight is a number: float() would read "2" and True as weights
     bad = {k: v for k, v in weights.items()
-           if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf}
+           if not is_real(v) or not 0 < v < math.inf}
     if bad:
         raise ValueError(f"layer_noise_multipliers must be positive finite relative weights, got {bad}")
     return {name: float(weights.get(name, 1.0)) for name in names}
@@ -154,7 +154,7 @@ def plan_noise(
     noise_multiplier = _positive(noise_multiplier, "noise_multiplier")
     target_epsilon = _positive(target_epsilon, "target_epsilon")
     others = tuple(_positive(s, "a per-step mechanism's noise multiplier") for s in mechanism_sigmas)  # type: ignore[misc]
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1):
+    if steps is not None and (not is_whole(steps) or steps < 1):
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if target_epsilon is not None and delta is None:
         raise ValueError("a target epsilon needs delta")

@@ -8,17 +8,29 @@ in :mod:`clipless.diagnostics.robustness`.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 __all__ = ["CERT_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm", "bjorck_residual",
-           "certified_bjorck_step", "CertifiedValueCache", "ieee_matmul", "ieee_convolutions"]
+           "certified_bjorck_step", "CertifiedValueCache", "ieee_matmul", "ieee_convolutions",
+           "is_real", "is_whole"]
 
 # Relative safety margin applied to norms computed in float64 from float32
 # weights: float64 SVD is backward-stable to ~1e-15 relative, so 1e-9 is a
 # generous certified margin that never matters for utility.
 CERT_MARGIN = 1.0 + 1e-9
+
+
+def is_real(value: Any) -> bool:
+    """A real number that is not a bool: ``True`` would read as 1 wherever a constant, a rate or a size is given."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_whole(value: Any) -> bool:
+    """An integer that is not a bool (``True`` would read as 1 step, class or width)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class BoundError(ValueError):

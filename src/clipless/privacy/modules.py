@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Collection, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .certified import BoundError, DeclaredConstants
+from .certified import BoundError, DeclaredConstants, is_real
 from .input_guard import tap_loss
 
 __all__ = ["LayerBound", "DeclaredConstants", "BoundedModule", "project_all_", "InputClip", "Residual", "PerStepMechanism",
@@ -87,7 +86,7 @@ class Residual(DeclaredConstants, nn.Module):
         super().__init__()
         for name, weight in (("skip_weight", skip_weight), ("branch_weight", branch_weight)):
             # NaN passes a "< 0" test and would carry NaN bounds into the noise; inf has no finite bound
-            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not 0 <= weight < math.inf:
+            if not is_real(weight) or not 0 <= weight < math.inf:
                 raise ValueError(f"residual weights must be finite and non-negative, got {name}={weight!r}")
         self.branch = branch
         self.skip_weight, self.branch_weight = float(skip_weight), float(branch_weight)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -14,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from .accounting import PrivacyAccountant, check_delta
 from .bounds import BoundEngine, check_input_shape
 from .calibration import plan_noise, planned_steps
-from .certified import BoundError
+from .certified import BoundError, is_real
 from .distributed import (DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks,
                           same_outcome_on_all_ranks, world)
 from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite
@@ -40,7 +39,7 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
     ``input_bound`` that every input is then checked against — never from the
     data itself.  The check admits norms up to ``input_bound (1 + INPUT_BOUND_TOLERANCE)``, and so does ``X_0``.
     """
-    if input_bound is not None and (isinstance(input_bound, bool) or not isinstance(input_bound, numbers.Real)
+    if input_bound is not None and (not is_real(input_bound)
                                     or not 0 < float(input_bound) < math.inf):
         # named as given, before the tolerance (which made -1 read as -1.000001)
         raise BoundError(f"input_bound must be a positive finite number (every input's L2 norm is checked against "

@@ -20,6 +20,8 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
+from .certified import is_whole
+
 __all__ = ["secret_generator", "make_generator", "randomness_label", "secret_seed", "resume_generator",
            "saved_generator_state"]
 
@@ -116,7 +118,7 @@ def make_generator(seed: Optional[int], device: Union[str, torch.device] = "cpu"
     ``seed`` (experiments only: NOT private against anyone who knows ``seed``)."""
     if seed is None:
         return secret_generator(device)
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_whole(seed):
         raise TypeError(f"a fixed noise seed must be an integer, got {seed!r}")
     # distinct streams of one seed (noise, sampling, augmentation) must not coincide
     digest = hashlib.sha256(f"clipless:{seed}:{stream}".encode()).digest()

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subs
 from torch.utils.data._utils.collate import default_collate
 
 from .input_guard import batch_row_digests
-from .certified import DeclaredConstants
+from .certified import DeclaredConstants, is_real
 from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
@@ -88,7 +88,7 @@ def expected_batch_size(batch_size: Any, records: int) -> float:
     a non-number, NaN or a size outside the range is refused."""
     if records < 1:
         raise ValueError("the training dataset is empty: there is nothing to sample batches from")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, float)) or not (0 < batch_size <= records):
+    if not is_real(batch_size) or not (0 < batch_size <= records):
         raise ValueError(f"batch_size (the expected Poisson batch size) must be a number in (0, N={records}], "
                          f"got {batch_size!r}")
     return float(batch_size)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import numbers
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from ..data.augment import ImageAugmentation
 from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
+from ..privacy.certified import is_real
 from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
@@ -182,7 +182,7 @@ class PrivateTrainer(DeclaredConstants):
         self.history: List[Dict[str, float]] = []
         # Exponential moving average of the released iterates: post-processing, no privacy cost.
         decay = average_decay
-        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay < 1):
+        if decay is not None and (not is_real(decay) or not 0 < decay < 1):
             raise ValueError(f"average_decay must be a number in (0, 1), got {average_decay!r}")
         self.average_decay = average_decay
         self.tightness_monitor = tightness_monitor
