@@ -332,6 +332,46 @@ def test_damaged_checkpoint_refused_on_resume(tmp_path, damage, match):
     assert ckpt.read_bytes() == bytes(raw) and (out / "result.json").read_bytes() == result
 
 
+class _RunsCode:
+    """An object whose unpickling runs a call the file names (here: it creates a file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):
+    """A checkpoint was read with ``torch.load(weights_only=False)``: one that names a callable (written by anyone,
+    with a valid checksum, since the checksum is not a key) ran it on resume or export.  It is now read with
+    ``weights_only=True``: tensors, numbers, strings and containers only, which is all a clipless checkpoint holds."""
+    import hashlib
+    import io
+
+    import torch
+
+    from clipless.train.checkpoint import MAGIC, CheckpointError, load_checkpoint
+
+    out = tmp_path / "run"
+    _train(out, "--epochs", "2")
+    ckpt = out / "checkpoint.pt"
+    state = load_checkpoint(ckpt)  # a genuine checkpoint loads
+    marker = tmp_path / "ran"
+    state["history"] = [_RunsCode(marker)]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    ckpt.write_bytes(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+    result = (out / "result.json").read_bytes()
+    with pytest.raises(CheckpointError, match="holds more than tensors, numbers, strings and containers"):
+        load_checkpoint(ckpt)
+    _refused(["train", "--output-dir", str(out), "--resume", "--no-progress"], "could run code .* refused")
+    _refused(["export", "--output-dir", str(out)], "could run code .* refused")
+    assert not marker.exists()
+    assert (out / "result.json").read_bytes() == result
+
+
 def test_write_atomically_cleans_up_after_any_failure(tmp_path, monkeypatch):
     from clipless.train.checkpoint import CheckpointError, write_atomically
 

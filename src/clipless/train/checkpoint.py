@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -107,7 +109,16 @@ def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu", kind: Opt
     if hashlib.sha256(payload).hexdigest().encode() != digest:
         raise CheckpointError(f"checkpoint {path} is damaged (its checksum does not match: truncated or corrupted); "
                               "resume from an intact copy or restart training")
-    state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=False)
+    try:
+        # A checkpoint holds tensors, numbers, strings and containers only; anything else would be unpickled by
+        # running code the file names, which the checksum cannot vouch for (whoever wrote the file wrote it too).
+        state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))
+        raise CheckpointError(f"checkpoint {path} holds more than tensors, numbers, strings and containers"
+                              + (f" (it names {named.group(1)})" if named else "") + ": loading it could run code "
+                              "from whoever wrote the file, and clipless never writes such a checkpoint; refused"
+                              ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} does not hold a training state")
     found = checkpoint_kind(state)
