@@ -289,9 +289,12 @@ def test_interrupted_result_write_keeps_the_previous_result(tmp_path, monkeypatc
     monkeypatch.setattr(json, "dumps", lambda *a, **k: killed(None))
     with pytest.raises(KeyboardInterrupt):
         main(["train", *FAST, "--output-dir", str(out), "--noise-seed", "2"])
-    assert (out / "result.json").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json",
-                                                     "training.png"]
+    (kept,) = [p for p in out.iterdir() if p.is_dir()]  # the first run's files, moved aside before the second
+    assert (kept / "result.json").read_bytes() == before
+    # the second run's checkpoint was written, its result never was, and no temporary is left anywhere
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["checkpoint.pt", "checkpoint.pt.key"]
+    assert sorted(p.name for p in kept.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json",
+                                                      "training.png"]
 
 
 def test_full_disk_during_checkpoint_write_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -303,11 +306,13 @@ def test_full_disk_during_checkpoint_write_is_one_line_and_leaves_no_temporary(t
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
-    _refused(["train", *FAST, "--output-dir", str(out)], r"could not write .*checkpoint.pt: No space left on device; "
-             "the previous file .* is intact")
-    assert (out / "checkpoint.pt").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json",
-                                                     "training.png"]
+    _refused(["train", *FAST, "--output-dir", str(out)], r"could not write .*checkpoint.pt.key: No space left on "
+             "device; the previous file .* is intact")
+    (kept,) = [p for p in out.iterdir() if p.is_dir()]  # the first run's files, moved aside before the second
+    assert (kept / "checkpoint.pt").read_bytes() == before
+    assert [p.name for p in out.iterdir() if p.is_file()] == []  # no temporary left
+    assert sorted(p.name for p in kept.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json",
+                                                      "training.png"]
 
 
 @pytest.mark.parametrize("damage, match", [
@@ -370,6 +375,29 @@ def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path
     _refused(["export", "--output-dir", str(out)], "could run code .* refused")
     assert not marker.exists()
     assert (out / "result.json").read_bytes() == result
+
+
+def test_a_new_run_in_an_earlier_runs_directory_replaces_none_of_its_files(tmp_path, capsys):
+    """A new run written where an earlier one is (the default runs/latest, or the same --output-dir) replaced its
+    result, checkpoint, key and figure.  They are now moved, byte for byte, into ``earlier-<time>/`` inside it,
+    where a resume can still continue them; a resume itself moves nothing (it continues the files)."""
+    out = tmp_path / "run"
+    first = _train(out)
+    names = ("result.json", "checkpoint.pt", "checkpoint.pt.key", "training.png")
+    before = {name: (out / name).read_bytes() for name in names}
+    capsys.readouterr()
+    _train(out)
+    assert "held an earlier run's files: moved to" in capsys.readouterr().err
+    (kept,) = [p for p in out.iterdir() if p.is_dir()]
+    assert kept.name.startswith("earlier-") and {p.name for p in kept.iterdir()} == set(names)
+    assert all((kept / name).read_bytes() == data for name, data in before.items())
+    assert all((out / name).exists() for name in names)
+    assert main(["train", "--output-dir", str(kept), "--resume", "--no-progress"]) == 0  # still resumable there
+    assert json.loads((kept / "result.json").read_text())["epsilon"] == first["epsilon"]
+    assert [p for p in kept.iterdir() if p.is_dir()] == []  # the resume moved nothing
+    _train(out)  # the second run's files get a folder of their own (named "-2" within the same second)
+    folders = [p for p in out.iterdir() if p.is_dir()]
+    assert len(folders) == 2 and all({p.name for p in f.iterdir()} == set(names) for f in folders)
 
 
 def test_write_atomically_cleans_up_after_any_failure(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -652,7 +652,7 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
         for group in trainer.optimizer.param_groups:  # the checkpoint's optimizer state restored the old one
             group["lr"] = config["lr"]
     if trainer.rank == 0:
-        prepare_output_dir(out_dir)
+        prepare_output_dir(out_dir, () if config["resume"] else TRAIN_FILES)
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": config, "sampling": "poisson (add/remove neighbours)",
                    "processes": trainer.world_size})
@@ -729,9 +729,19 @@ def _write_training_plot(out_dir: Path, result: Dict[str, Any], title: str) -> D
     return result
 
 
-def prepare_output_dir(out_dir: Path) -> None:
-    """Create ``out_dir`` and prove it writable, before any training (nothing is left behind by the check)."""
+# The files each command writes into its output directory: those of an earlier run there are kept (moved aside)
+TRAIN_FILES = ("result.json", "training.png", "checkpoint.pt", "checkpoint.pt.key")
+PRETRAIN_FILES = TRAIN_FILES + ("encoder.pt",)
+AUDIT_FILES = ("audit.json", "audit.png")
+
+
+def prepare_output_dir(out_dir: Path, earlier: Sequence[str] = ()) -> None:
+    """Create ``out_dir`` and prove it writable, before any training (nothing is left behind by the check); the files
+    of ``earlier`` that it holds already (an earlier run's) are moved into ``out_dir/earlier-<time>/``, so that this
+    run replaces none of them (a resume passes none: it continues them)."""
     import tempfile
+
+    from .train.checkpoint import CheckpointError, keep_earlier_files
 
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"--output-dir: {out_dir} is a file, not a directory; choose another --output-dir")
@@ -742,6 +752,13 @@ def prepare_output_dir(out_dir: Path) -> None:
     except OSError as err:
         raise SystemExit(f"--output-dir: {out_dir} is not writable ({err.strerror or err}); choose another "
                          "--output-dir") from None
+    try:
+        kept = keep_earlier_files(out_dir, earlier)
+    except CheckpointError as err:
+        raise SystemExit(f"--output-dir: {err}") from None
+    if kept is not None:
+        print(f"{out_dir} held an earlier run's files: moved to {kept}, so that this run replaces none of them",
+              file=sys.stderr)
 
 
 def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict[str, Any]:
@@ -758,7 +775,7 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
         raise SystemExit(f"--method {config['method']} has unconstrained counterparts of mlp and cnn only, "
                          f"not {config['model']}")
     out_dir = Path(config["output_dir"])
-    prepare_output_dir(out_dir)  # before training, as for clipless runs: a missing directory is created
+    prepare_output_dir(out_dir, TRAIN_FILES)  # before training, as for clipless runs: a missing directory is created
     if config["model"] == "cnn":
         model = standard_cnn(shape, classes, channels=config["channels"], hidden=config["hidden"])
     else:
@@ -848,7 +865,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         if not ckpt.exists():
             raise SystemExit(f"--resume: no checkpoint at {ckpt}")
         trainer.load_checkpoint(ckpt)
-    prepare_output_dir(out_dir)
+    prepare_output_dir(out_dir, () if args.resume else PRETRAIN_FILES)
     result = trainer.fit().to_dict()
     result.update({"dataset": data.name, "config": {k: v for k, v in vars(args).items() if k != "command"},
                    **evaluate_encoder(encoder, data.test, per_class=tuple(args.probe_labels),
@@ -879,7 +896,7 @@ def run_audit(config: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any
     if not (args.noise_scale > 0):
         raise ValueError(f"--noise-scale must be positive, got {args.noise_scale}")
     out_dir = Path(config["output_dir"])
-    prepare_output_dir(out_dir)
+    prepare_output_dir(out_dir, AUDIT_FILES)
     data, shape, seed = _prepare_data(config)
     n = len(data.train)
     extra: Dict[str, Any] = {}

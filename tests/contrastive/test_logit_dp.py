@@ -1146,6 +1146,11 @@ def test_cli_pretrain_end_to_end(tmp_path, capsys) -> None:
     result = json.loads((out / "result.json").read_text())
     assert result["epsilon"] <= 5.0 and result["method"] == "logit_dp" and (out / "encoder.pt").exists()
     assert (out / "training.png").read_bytes().startswith(b"\x89PNG")  # held-out loss and epsilon per epoch
+    encoder = (out / "encoder.pt").read_bytes()
+    assert cli_main(["pretrain", "--epochs", "1", "--batch-size", "128", "--hidden", "32", "--embedding-dim", "8",
+                     "--accountant", "rdp", "--no-progress", "--output-dir", str(out)]) == 0
+    (kept,) = [p for p in out.iterdir() if p.is_dir()]  # the first run's files, moved aside by the second
+    assert (kept / "encoder.pt").read_bytes() == encoder and json.loads((kept / "result.json").read_text()) == result
     assert 0.1 < result["probe_5_per_class"] <= 1.0
     with pytest.raises(SystemExit, match="--probe-labels"):
         cli_main(["pretrain", "--probe-labels", "0", "--output-dir", str(tmp_path / "bad")])

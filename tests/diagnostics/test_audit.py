@@ -257,6 +257,10 @@ def test_cli_step_audit_draws_secret_noise_by_default(tmp_path, capsys) -> None:
     record = json.loads((tmp_path / "audit.json").read_text())
     assert record["private"] is True and record["randomness"] == "os-entropy"
     assert record["verdict"] in capsys.readouterr().out
+    figure = (tmp_path / "audit.png").read_bytes()
+    assert main(["audit", "--trials", "50", "--output-dir", str(tmp_path), "--no-progress"]) == 0
+    (kept,) = [p for p in tmp_path.iterdir() if p.is_dir()]  # the first audit's files, moved aside by the second
+    assert json.loads((kept / "audit.json").read_text()) == record and (kept / "audit.png").read_bytes() == figure
 
 
 def test_cli_audit_catches_a_noise_bug(tmp_path, capsys) -> None:

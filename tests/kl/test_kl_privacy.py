@@ -276,6 +276,12 @@ def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
     assert "membership attacks within the KL advantage bound" in printed
     # computed from the training records without noise: labelled so in the file and on screen
     assert study["private"] is False and "non-private" in study["privacy_note"] and "non-private study" in printed
+    written = {p.name: p.read_bytes() for p in out.iterdir()}
+    main(["kl-study", "--data-dir", str(shared_data / "mnist"), "--n-train", "60", "--n-heldout", "40",
+          "--inits", "lecun", "--width", "16", "--widths", "8", "--depths", "2", "--steps", "2",
+          "--short-steps", "1", "--runs", "1", "--output-dir", str(out), "--no-progress"])
+    (kept,) = [p for p in out.iterdir() if p.is_dir()]  # the first study's files, moved aside by the second
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == written
 
 
 @pytest.mark.parametrize("flags, match", [

@@ -9,6 +9,7 @@ runs it and writes ``kl_study.json`` and PNG plots.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,10 +26,12 @@ from ..diagnostics.plots import save_figure
 from ..nn.functional import whole_number
 from ..privacy.accounting import check_positive_finite
 from ..privacy.distributed import world
-from ..train.checkpoint import write_atomically
+from ..train.checkpoint import keep_earlier_files, write_atomically
 from . import noisy_gd as klp
 
 
+# What the study writes into its output directory (an earlier study's are kept, moved aside).
+STUDY_FILES = ("kl_study.json", "kl_vs_steps.png", "kl_vs_width.png", "kl_vs_depth.png")
 # The study measures the mechanism on its training records: every number it writes is computed from them
 # without noise of its own.
 NON_PRIVATE_NOTE = ("non-private study: the KL curves, losses, accuracies and attack scores are computed from the "
@@ -275,9 +278,12 @@ def format_summary(study: Dict[str, Any]) -> str:
 def main_kl_study(cfg: KLStudyConfig) -> Dict[str, Any]:
     if world()[1] > 1:
         raise ValueError("the KL study runs in one process; it does not support a distributed process group")
-    study = run_kl_study(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    kept = keep_earlier_files(out, STUDY_FILES)  # an earlier study's files: this one replaces none of them
+    if kept is not None:
+        print(f"{out} held an earlier study's files: moved to {kept}", file=sys.stderr)
+    study = run_kl_study(cfg)
     study["plots"] = [str(p) for p in plot_kl_study(study, out)]
     write_atomically(out / "kl_study.json", json.dumps(study, indent=2).encode())
     return study

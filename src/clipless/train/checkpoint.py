@@ -14,8 +14,9 @@ import io
 import os
 import pickle
 import re
+import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -23,7 +24,7 @@ __all__ = ["CheckpointError", "KINDS", "checkpoint_kind", "save_checkpoint", "lo
            "check_fits",
            "checkpoint_destination",
            "keyed_fingerprint", "read_fingerprint_key", "fingerprint_key_for", "fingerprint_key_path",
-           "check_records"]
+           "check_records", "keep_earlier_files"]
 
 MAGIC = b"clipless checkpoint v1\n"
 _DIGEST_LEN = 64  # hex sha256
@@ -52,6 +53,30 @@ def write_atomically(path: Union[str, Path], data: bytes, mode: Optional[int] = 
             raise CheckpointError(f"could not write {path}: {err.strerror or err}; the previous file (if any) is "
                                   "intact") from err
         raise
+
+
+def keep_earlier_files(directory: Union[str, Path], names: Sequence[str]) -> Optional[Path]:
+    """Move the files of ``names`` that ``directory`` already holds (an earlier run's result, checkpoint and key,
+    figures) into a new ``directory/earlier-<their newest modification time>/``, so that a new run written there
+    replaces none of them; returns that folder, or ``None`` when there was nothing to keep.  Each file is moved by
+    one rename: a kill between two leaves every file whole, in one place or the other."""
+    directory = Path(directory)
+    found = [directory / name for name in names if (directory / name).is_file()]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(f.stat().st_mtime for f in found)))
+    keep, n = directory / f"earlier-{stamp}", 1
+    while keep.exists():
+        n += 1
+        keep = directory / f"earlier-{stamp}-{n}"
+    try:
+        keep.mkdir()
+        for f in found:
+            os.replace(f, keep / f.name)
+    except OSError as err:
+        raise CheckpointError(f"could not move the earlier run's files in {directory} to {keep} "
+                              f"({err.strerror or err}); nothing was replaced: choose another output directory") from err
+    return keep
 
 
 def checkpoint_destination(path: Optional[Union[str, Path]]) -> Optional[Path]:
