@@ -802,6 +802,26 @@ def test_representation_layer_is_the_encoder_before_its_last_linear() -> None:
         evaluate_encoder(enc, data.test, layer="hidden")
 
 
+def test_a_new_pretrainer_never_writes_over_an_earlier_runs_checkpoint(tmp_path) -> None:
+    """As for PrivateTrainer: a fresh pre-trainer replaced an earlier run's checkpoint at its checkpoint_path at the
+    end of its first epoch; it now refuses to start, and continues the file once it has resumed from it."""
+    from clipless.train.checkpoint import CheckpointError
+
+    path = tmp_path / "c.pt"
+    first = _trainer("logit_dp", epochs=2, checkpoint_path=path)
+    first.epochs = 1
+    first.fit()
+    written = path.read_bytes()
+    fresh = _trainer("logit_dp", epochs=2, checkpoint_path=path)
+    with pytest.raises(CheckpointError, match="holds a file already .* load_checkpoint"):
+        fresh.fit()
+    assert path.read_bytes() == written and fresh.steps == 0 and fresh.accountant.steps == 0
+    resumed = _trainer("logit_dp", epochs=2, checkpoint_path=path)
+    resumed.load_checkpoint(path)
+    resumed.fit()
+    assert resumed.epoch == 2 and path.read_bytes() != written
+
+
 def test_checkpoint_keeps_accountant(tmp_path) -> None:
     t = _trainer("logit_dp", epochs=2)
     t.epochs = 1

@@ -127,6 +127,36 @@ def test_a_trainer_that_released_steps_refuses_to_load_a_checkpoint(tmp_path):
     assert trainer.accountant.steps == trainer.steps
 
 
+def test_a_new_trainer_never_writes_over_an_earlier_runs_checkpoint(tmp_path):
+    """A fresh trainer whose checkpoint_path held an earlier run's checkpoint replaced it at the end of its first
+    epoch.  It now refuses to start: load_checkpoint(path) continues that run, another path starts a new one.  A
+    trainer that wrote the file itself, or resumed from it, goes on writing it."""
+    from clipless.train.checkpoint import CheckpointError
+
+    def trainer(path):
+        return digits_trainer(epochs=3, checkpoint_path=path)
+
+    path = tmp_path / "c.pt"
+    first = trainer(path)
+    planned, epoch = first.max_steps, len(first.loader)
+    first.max_steps = epoch
+    first.fit()
+    first.max_steps = 2 * epoch  # the same trainer, trained further: its own file
+    first.fit()
+    written = path.read_bytes()
+    fresh = trainer(path)
+    with pytest.raises(CheckpointError, match="holds a file already .* load_checkpoint"):
+        fresh.fit()
+    assert path.read_bytes() == written and fresh.steps == 0 and fresh.accountant.steps == 0
+    resumed = trainer(tmp_path / "." / "c.pt")  # the same file, spelt otherwise
+    resumed.load_checkpoint(path)
+    resumed.fit()
+    assert resumed.steps == planned > first.steps and path.read_bytes() != written
+    other = trainer(tmp_path / "other.pt")  # a path holding nothing: free
+    other.max_steps = epoch
+    other.fit()
+
+
 def test_a_checkpoint_of_a_model_changed_after_its_last_step_is_refused(tmp_path):
     """Before, ``save_checkpoint`` saved whatever the model held: a hand update after ``fit()`` (a non-private
     fine-tuning step on the training data, say) went into the checkpoint, and from there into ``clipless export``,

@@ -32,7 +32,8 @@ from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.input_guard import all_finite
 from ..privacy.sampling import expected_batch_size, poisson_data_loader, record_chunks
-from ..train.checkpoint import (check_fits, check_records, checkpoint_destination, fingerprint_key_for,
+from ..train.checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
+                                fingerprint_key_for,
                                 keyed_fingerprint, load_checkpoint, read_fingerprint_key, save_checkpoint)
 from .logit_dp import (
     LOSS_FUNCTIONS,
@@ -252,6 +253,7 @@ class ContrastivePretrainer(DeclaredConstants):
         _check_gram_method(gram_method)
         self.gram_method, self.cross_term, self.progress, self.log = gram_method, cross_term, progress, log
         self.checkpoint_path = checkpoint_destination(checkpoint_path)
+        self._continues: Optional[Path] = None  # the checkpoint file this run resumed from or wrote (resolved)
         self.sample_rate = self.batch_size / n
         self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.planned_steps = planned_steps(epochs, self.steps_per_epoch)
@@ -412,6 +414,7 @@ class ContrastivePretrainer(DeclaredConstants):
         return total / max(count, 1)
 
     def fit(self) -> PretrainResult:
+        check_checkpoint_free(self.checkpoint_path, self._continues)
         if self.epoch == 0 and not self.history:
             self.history.append({"epoch": 0, "eval_loss": self.eval_loss(), "epsilon": self.epsilon})  # type: ignore[dict-item]
         while self.epoch < self.epochs and not self._budget_spent():
@@ -493,6 +496,7 @@ class ContrastivePretrainer(DeclaredConstants):
             "pairs": self.pairs.state_dict() if keep_pairs else None,  # type: ignore[attr-defined]
         }
         save_checkpoint(state, path)
+        self._continues = path.resolve()
 
     def load_checkpoint(self, path: Union[str, Path]) -> None:
         """Resume; refuses a checkpoint without accountant state or with another privacy configuration, and a
@@ -523,3 +527,4 @@ class ContrastivePretrainer(DeclaredConstants):
         resume_generator(self.loader.batch_sampler.generator, state["sampling_rng"])  # type: ignore[union-attr]
         if state.get("pairs") is not None and hasattr(self.pairs, "load_state_dict"):
             self.pairs.load_state_dict(state["pairs"])
+        self._continues = Path(path).resolve()

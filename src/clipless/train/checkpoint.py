@@ -24,7 +24,7 @@ __all__ = ["CheckpointError", "KINDS", "checkpoint_kind", "save_checkpoint", "lo
            "check_fits",
            "checkpoint_destination",
            "keyed_fingerprint", "read_fingerprint_key", "fingerprint_key_for", "fingerprint_key_path",
-           "check_records", "keep_earlier_files"]
+           "check_records", "keep_earlier_files", "check_checkpoint_free"]
 
 MAGIC = b"clipless checkpoint v1\n"
 _DIGEST_LEN = 64  # hex sha256
@@ -53,6 +53,17 @@ def write_atomically(path: Union[str, Path], data: bytes, mode: Optional[int] = 
             raise CheckpointError(f"could not write {path}: {err.strerror or err}; the previous file (if any) is "
                                   "intact") from err
         raise
+
+
+def check_checkpoint_free(path: Optional[Path], continued: Optional[Path]) -> None:
+    """Refuse to train with checkpoints written to ``path`` when a file is there that this run neither resumed from
+    nor wrote (``continued``: the resolved path it did): an earlier run's checkpoint, replaced at the first epoch's
+    end."""
+    if path is None or not path.exists() or (continued is not None and path.resolve() == continued):
+        return
+    raise CheckpointError(f"checkpoint_path {path} holds a file already (an earlier run's checkpoint?), which this "
+                          f"run would replace at the end of its first epoch: load_checkpoint('{path}') continues "
+                          "that run; give another checkpoint_path, or move the file, to start a new one")
 
 
 def keep_earlier_files(directory: Union[str, Path], names: Sequence[str]) -> Optional[Path]:

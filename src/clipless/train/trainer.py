@@ -28,7 +28,8 @@ from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import dataset_size, expected_batch_size
-from .checkpoint import (check_fits, check_records, checkpoint_destination, fingerprint_key_for, keyed_fingerprint,
+from .checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
+                         fingerprint_key_for, keyed_fingerprint,
                          load_checkpoint, read_fingerprint_key, save_checkpoint)
 from .evaluation import evaluate, predictions
 
@@ -129,6 +130,7 @@ class PrivateTrainer(DeclaredConstants):
         self.noise_seed = noise_seed
         self.log_train_stats = bool(log_train_stats)
         self.checkpoint_path = checkpoint_destination(checkpoint_path)
+        self._continues: Optional[Path] = None  # the checkpoint file this run resumed from or wrote (resolved)
         self.sample_rate = batch_size / n
         self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.privacy_engine = PrivacyEngine(accountant)
@@ -269,6 +271,7 @@ class PrivateTrainer(DeclaredConstants):
     def fit(self) -> TrainResult:
         """Train until the planned epochs or the privacy budget run out."""
         self._check_settings()
+        check_checkpoint_free(self.checkpoint_path, self._continues)
         while self.steps < self.max_steps:
             start = time.perf_counter()
             stats = self._train_epoch()
@@ -374,6 +377,7 @@ class PrivateTrainer(DeclaredConstants):
             "run_config": self.run_config,
         }
         save_checkpoint(state, path)
+        self._continues = path.resolve()
 
     @staticmethod
     def read_run_config(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
@@ -443,6 +447,7 @@ class PrivateTrainer(DeclaredConstants):
         self.steps, self.epoch = state["steps"], state["epoch"]
         self.history = list(state.get("history", []))
         self._wall = state.get("wall_time_s", 0.0)
+        self._continues = Path(path).resolve()
 
 
 def _own_streams(state: Dict[str, Any]) -> Dict[str, Any]:
