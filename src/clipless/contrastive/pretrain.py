@@ -33,8 +33,8 @@ from ..privacy.randomness import make_generator, randomness_label, resume_genera
 from ..privacy.input_guard import all_finite
 from ..privacy.sampling import expected_batch_size, poisson_data_loader, record_chunks
 from ..train.checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
-                                fingerprint_key_for,
-                                keyed_fingerprint, load_checkpoint, read_fingerprint_key, save_checkpoint)
+                                fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
+                                save_checkpoint)
 from .logit_dp import (
     LOSS_FUNCTIONS,
     _check_clip_norm,

@@ -273,7 +273,7 @@ def kl_trace(
     NOT private against anyone who knows ``seed`` (``trace.extra["randomness"]`` says which).  The trace itself
     is computed from the training records without noise (a measurement, not a private release)."""
     runs = whole_number(runs, "runs")
-    if seed is not None and (not is_whole(seed)):
+    if seed is not None and not is_whole(seed):
         raise ValueError(f"seed must be an integer or None (OS entropy), got {seed!r}")
     max_gaps, losses, models = [], [], []
     mean_gaps: Optional[Tensor] = None

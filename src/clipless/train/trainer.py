@@ -29,8 +29,8 @@ from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import dataset_size, expected_batch_size
 from .checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
-                         fingerprint_key_for, keyed_fingerprint,
-                         load_checkpoint, read_fingerprint_key, save_checkpoint)
+                         fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
+                         save_checkpoint)
 from .evaluation import evaluate, predictions
 
 __all__ = ["PrivateTrainer", "TrainResult"]
