@@ -117,7 +117,8 @@ def phases(model_name: str, batch: int, device: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda where there is one, else cpu")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--out-dir", default="results/profile")
     parser.add_argument("--phases", action="store_true", help="time the parts of a step (module doc)")
