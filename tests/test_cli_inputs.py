@@ -395,9 +395,13 @@ def test_a_new_run_in_an_earlier_runs_directory_replaces_none_of_its_files(tmp_p
     assert main(["train", "--output-dir", str(kept), "--resume", "--no-progress"]) == 0  # still resumable there
     assert json.loads((kept / "result.json").read_text())["epsilon"] == first["epsilon"]
     assert [p for p in kept.iterdir() if p.is_dir()] == []  # the resume moved nothing
+    assert main(["export", "--output-dir", str(out)]) == 0
+    exported = (out / "model.pt2").read_bytes()
     _train(out)  # the second run's files get a folder of their own (named "-2" within the same second)
-    folders = [p for p in out.iterdir() if p.is_dir()]
-    assert len(folders) == 2 and all({p.name for p in f.iterdir()} == set(names) for f in folders)
+    folders = [p for p in out.iterdir() if p.is_dir() and p != kept]
+    assert len(folders) == 1 and {p.name for p in folders[0].iterdir()} == {*names, "model.pt2"}
+    assert (folders[0] / "model.pt2").read_bytes() == exported  # the export goes with the run it was made from
+    assert not (out / "model.pt2").exists()
 
 
 def test_write_atomically_cleans_up_after_any_failure(tmp_path, monkeypatch):

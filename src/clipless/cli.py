@@ -729,9 +729,11 @@ def _write_training_plot(out_dir: Path, result: Dict[str, Any], title: str) -> D
     return result
 
 
-# The files each command writes into its output directory: those of an earlier run there are kept (moved aside)
-TRAIN_FILES = ("result.json", "training.png", "checkpoint.pt", "checkpoint.pt.key")
-PRETRAIN_FILES = TRAIN_FILES + ("encoder.pt",)
+# The files each command writes into its output directory: those of an earlier run there are kept (moved aside).
+# A training run's directory also holds its export (`clipless export`'s default): it goes with its run, so that
+# the directory never pairs a new run with the model of an earlier one.
+TRAIN_FILES = ("result.json", "training.png", "checkpoint.pt", "checkpoint.pt.key", "model.pt2")
+PRETRAIN_FILES = TRAIN_FILES[:4] + ("encoder.pt",)
 AUDIT_FILES = ("audit.json", "audit.png")
 
 
