@@ -86,7 +86,8 @@ def keep_earlier_files(directory: Union[str, Path], names: Sequence[str]) -> Opt
             os.replace(f, keep / f.name)
     except OSError as err:
         raise CheckpointError(f"could not move the earlier run's files in {directory} to {keep} "
-                              f"({err.strerror or err}); nothing was replaced: choose another output directory") from err
+                              f"({err.strerror or err}); nothing was replaced: choose another output directory"
+                              ) from err
     return keep
 
 
