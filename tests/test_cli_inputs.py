@@ -404,6 +404,36 @@ def test_a_new_run_in_an_earlier_runs_directory_replaces_none_of_its_files(tmp_p
     assert not (out / "model.pt2").exists()
 
 
+def test_keep_earlier_files_moves_each_file_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Only the named files that exist move, into a folder of their own per call; a failed move raises one error
+    and leaves every file whole, where it was or where it went."""
+    from clipless.train.checkpoint import CheckpointError, keep_earlier_files
+
+    assert keep_earlier_files(tmp_path, ("result.json",)) is None and list(tmp_path.iterdir()) == []
+    for name in ("result.json", "checkpoint.pt", "notes.txt"):
+        (tmp_path / name).write_text(name)
+    first = keep_earlier_files(tmp_path, ("result.json", "checkpoint.pt", "training.png"))
+    assert sorted(p.name for p in first.iterdir()) == ["checkpoint.pt", "result.json"]
+    assert (tmp_path / "notes.txt").read_text() == "notes.txt"  # not named: left alone
+    (tmp_path / "result.json").write_text("second")
+    second = keep_earlier_files(tmp_path, ("result.json",))
+    assert second != first and (second / "result.json").read_text() == "second"
+    (tmp_path / "result.json").write_text("third")
+    (tmp_path / "checkpoint.pt").write_text("third")
+    real = os.replace
+
+    def fails_on_the_second(src, dst):
+        if Path(src).name == "checkpoint.pt":
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", fails_on_the_second)
+    with pytest.raises(CheckpointError, match="could not move the earlier run's files .* nothing was replaced"):
+        keep_earlier_files(tmp_path, ("result.json", "checkpoint.pt"))
+    texts = sorted(p.read_text() for p in tmp_path.rglob("*") if p.is_file() and p.name != "notes.txt")
+    assert texts.count("third") == 2 and "second" in texts  # every file whole, one place or the other
+
+
 def test_write_atomically_cleans_up_after_any_failure(tmp_path, monkeypatch):
     from clipless.train.checkpoint import CheckpointError, write_atomically
 
