@@ -23,7 +23,7 @@ class ImageAugmentation:
     def __init__(self, shift: int = 2, flip: bool = False) -> None:
         if not is_whole(shift) or shift < 0:
             raise ValueError(f"shift must be an integer >= 0, got {shift!r}")
-        self.shift, self.flip = shift, bool(flip)
+        self.shift, self.flip = int(shift), bool(flip)
 
     def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         if x.dim() != 4:

@@ -57,7 +57,7 @@ class GroupSort(BoundedModule):
             raise ValueError(f"dim must be an integer axis, got {dim!r}")
         if dim == 0:
             raise ValueError("dim 0 is the batch axis")
-        self.group_size, self.dim = group_size, dim
+        self.group_size, self.dim = group_size, int(dim)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         _check_per_example_dims((self.dim,), x.dim(), type(self).__name__)
@@ -168,7 +168,7 @@ class LayerCentering(BoundedModule):
     def __init__(self, dims: Union[int, Sequence[int], None] = None) -> None:
         super().__init__()
         if dims is not None:
-            dims = (dims,) if isinstance(dims, int) else tuple(dims)
+            dims = tuple(dims) if isinstance(dims, Sequence) else (dims,)
             if not dims:
                 raise ValueError("LayerCentering(dims=()) would average over every axis, the batch axis included; "
                                  "name the per-example axes (or leave dims=None for all of them)")
@@ -176,6 +176,7 @@ class LayerCentering(BoundedModule):
                 raise ValueError(f"LayerCentering dims must be distinct integers, got {dims}")
             if any(d == 0 for d in dims):
                 raise ValueError("centering over the batch axis (dim 0) couples examples")
+            dims = tuple(int(d) for d in dims)  # numpy's integers too
         self.dims = dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

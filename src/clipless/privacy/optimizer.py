@@ -103,6 +103,7 @@ class DPOptimizer(DeclaredConstants):
     ) -> None:
         if not is_whole(augmentation_multiplicity) or augmentation_multiplicity < 1:
             raise ValueError(f"augmentation_multiplicity must be an integer >= 1, got {augmentation_multiplicity!r}")
+        augmentation_multiplicity = int(augmentation_multiplicity)  # numpy's integers too
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
                              f"{accountant.mechanism!r}")
