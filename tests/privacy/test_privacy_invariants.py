@@ -714,6 +714,22 @@ def test_layer_centering_empty_dims_refused():
         cl.LayerCentering(dims=-2)(torch.randn(4, 3))  # -2 is the batch axis of 2-d inputs
 
 
+def test_layer_axes_are_integers_not_bools_and_numpy_integers_are_kept_as_int():
+    """``True`` reads as axis 1 wherever a bool passes for an int; numpy's integers are axes (stored as int)."""
+    import numpy as np
+
+    for bad in (True, (True,), 1.5, (1, 2.0), "1"):
+        with pytest.raises(ValueError, match="distinct integers"):
+            cl.LayerCentering(dims=bad)
+    with pytest.raises(ValueError, match="dim must be an integer axis"):
+        cl.MaxMin(dim=True)
+    layer = cl.LayerCentering(dims=np.int64(1))
+    assert layer.dims == (1,) and type(layer.dims[0]) is int
+    x = torch.randn(4, 6)
+    assert torch.equal(layer(x), cl.LayerCentering(dims=1)(x))
+    assert type(cl.MaxMin(dim=np.int64(1)).dim) is int
+
+
 def test_groupsort_on_a_negative_batch_axis_refused():
     with pytest.raises(ValueError, match="batch axis"):
         cl.MaxMin(dim=-2)(torch.randn(4, 6))
