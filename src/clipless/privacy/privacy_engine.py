@@ -220,6 +220,7 @@ class PrivacyEngine(DeclaredConstants):
             same_outcome_on_all_ranks(lambda: check_dataset_records(
                 dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound,
                 read=check_records, indices=range(rank, n, world_size)),
+                device=next((p.device for p in module.parameters()), torch.device("cpu")),  # NCCL: CUDA tensors only
                 refused="refused a record of their shard of the training data (their error says which check): no "
                         "rank goes on; clean the data")
         else:
