@@ -678,6 +678,9 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
     if target.is_dir():
         raise SystemExit(f"clipless export: --out {target} is a directory; give a file name "
                          f"(e.g. {target / 'model.pt2'})")
+    if target.exists() and not _is_export_archive(target):  # an earlier export is replaced, nothing else
+        raise SystemExit(f"clipless export: --out {target} exists and is not an earlier export (a torch.export "
+                         "archive); it is left as it is: give another file name")
     state = load_checkpoint(out_dir / "checkpoint.pt", kind="training")
     saved = state.get("run_config")
     if not saved:
@@ -708,6 +711,17 @@ def run_export(out_dir: Path, path: Optional[Path], inputs_within_bound: bool) -
             "prediction_agreement": float((ours.argmax(1) == theirs.argmax(1)).float().mean()),
             "epsilon": accountant.get_epsilon(config["delta"]), "delta": config["delta"],
             "accountant": accountant.mechanism, "steps": int(state["steps"]), **randomness_label(config["noise_seed"])}
+
+
+def _is_export_archive(path: Path) -> bool:
+    """Whether ``path`` is a ``torch.export.save`` archive (a zip holding ``archive_format``)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("archive_format") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _write_result(out_dir: Path, result: Dict[str, Any], name: str = "result.json") -> Dict[str, Any]:

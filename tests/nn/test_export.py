@@ -108,6 +108,13 @@ def test_cli_export_of_a_trained_run(tmp_path, capsys) -> None:
     assert torch.export.load(str(nested)).module()(x[:3]).shape == (3, 10)
     with pytest.raises(SystemExit, match="is a directory"):
         main(["export", "--output-dir", str(out), "--out", str(tmp_path)])
+    # an earlier export is replaced; any other file (the run's own checkpoint, by a slip) is left whole
+    assert main(["export", "--output-dir", str(out), "--out", str(nested)]) == 0
+    for other in (out / "checkpoint.pt", out / "result.json"):
+        before = other.read_bytes()
+        with pytest.raises(SystemExit, match="exists and is not an earlier export"):
+            main(["export", "--output-dir", str(out), "--out", str(other)])
+        assert other.read_bytes() == before
 
 
 def test_cli_run_with_iterate_averaging_reports_and_exports_the_average(tmp_path) -> None:
