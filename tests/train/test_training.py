@@ -85,6 +85,22 @@ def test_records_the_step_would_refuse_are_refused_before_any_step():
     with pytest.raises(ValueError, match=r"test_data: records of per-example shape \(64,\), the model's input_shape"):
         build(data.train, TensorDataset(data.test.features.flatten(1), data.test.labels))
 
+    class Read(torch.utils.data.Dataset):  # no tensors handed over: read once by make_private
+        def __len__(self):
+            return len(far)
+
+        def __getitem__(self, i):
+            return far[i].clone(), int(data.train.labels[i])
+
+    with pytest.raises(BoundError, match="the training data: a record has a norm above the declared input_bound 8"):
+        build(Read())
+    torch.manual_seed(0)
+    model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(8,))
+    trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(8.0), Read(),
+                                input_shape=data.input_shape, input_bound=8.0, batch_size=64, epochs=1, delta=1e-5,
+                                noise_multiplier=1.0, progress=False, log=None, check_records=False)
+    assert trainer.steps == 0  # not read ahead: the record is met when a batch holds it
+
 
 def test_digits_private_training_learns_within_budget():
     trainer = digits_trainer(epochs=15)

@@ -78,6 +78,8 @@ class PrivateTrainer(DeclaredConstants):
     history, labelled ``nonprivate_*``: they are computed without noise.
     ``tightness_monitor`` checks true per-example gradients against the bounds
     during training and stops with :class:`~clipless.BoundError` if one exceeds them.
+    Every training record is checked before any step (``make_private``'s ``check_records``: ``False`` skips the
+    read of a dataset that is not in memory, whose bad records then stop the run where a batch first holds them).
     """
 
     # What its epsilon, its privacy label and its test score are computed from: set once (a changed delta would
@@ -115,6 +117,7 @@ class PrivateTrainer(DeclaredConstants):
         distributed: Optional[bool] = None,
         augmentation_multiplicity: int = 1,
         augment: Optional[Callable[[torch.Tensor, Optional[torch.Generator]], torch.Tensor]] = None,
+        check_records: bool = True,
     ) -> None:
         if target_epsilon is None and noise_multiplier is None:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
@@ -154,6 +157,7 @@ class PrivateTrainer(DeclaredConstants):
             sampling_generator=self.sampling_generator,
             distributed=distributed,
             augmentation_multiplicity=augmentation_multiplicity,
+            check_records=check_records,
         )
         # the training records were checked by make_private; held-out ones are evaluated without gradients (and a
         # bad one stops no private step), so only an in-memory test set, checked from its tensors, is checked here
