@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.utils import _pair
 
-from ..nn.functional import whole_number
+from ..privacy.certified import whole_number
 from ..privacy.accounting import check_positive_finite
 from ..privacy.certified import ieee_matmul
 from ..privacy.input_guard import (check_precision, global_hooks_registered, module_hooks, replaced_forward,

@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from ..data.datasets import check_finite, check_held_out
-from ..nn.functional import whole_number
 from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_delta,
                                   check_nothing_released)
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
+from ..privacy.certified import whole_number
 from ..privacy.noise import add_gaussian_noise_
 from ..privacy.optimizer import changed_state, put_back_changes_, restore_state_, snapshot_state
 from ..privacy.distributed import world

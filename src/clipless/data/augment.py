@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..privacy.certified import is_whole
+from ..privacy.certified import whole_number
 
 __all__ = ["ImageAugmentation"]
 
@@ -21,9 +21,7 @@ class ImageAugmentation:
     horizontal flip, of a batch ``(B, C, H, W)``.  Never increases an example's norm."""
 
     def __init__(self, shift: int = 2, flip: bool = False) -> None:
-        if not is_whole(shift) or shift < 0:
-            raise ValueError(f"shift must be an integer >= 0, got {shift!r}")
-        self.shift, self.flip = int(shift), bool(flip)
+        self.shift, self.flip = whole_number(shift, "shift", 0), bool(flip)
 
     def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         if x.dim() != 4:

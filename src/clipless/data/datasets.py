@@ -20,8 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..nn.functional import whole_number
-from ..privacy.certified import is_whole
+from ..privacy.certified import is_whole, whole_number
 
 __all__ = [
     "ArrayDataset",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..data.datasets import ArrayDataset
-from ..nn.functional import whole_number
+from ..privacy.certified import whole_number
 from ..privacy.modules import LipschitzLoss
 from ..privacy.randomness import make_generator
 from .audit_stats import AuditResult

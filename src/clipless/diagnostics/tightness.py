@@ -14,9 +14,8 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from ..nn.functional import whole_number
 from ..privacy.bounds import BoundReport
-from ..privacy.certified import BoundError, is_real
+from ..privacy.certified import BoundError, is_real, whole_number
 from ..privacy.input_guard import paused_guards
 from ..privacy.modules import LipschitzLoss, step_mechanisms
 

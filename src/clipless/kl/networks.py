@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import jvp
 
-from ..nn.functional import whole_number
+from ..privacy.certified import whole_number
 
 __all__ = ["INIT_SCHEMES", "init_variances", "gradient_norm_at_init", "ReLUNetwork", "relu_network_forward",
            "LinearizedNetwork"]

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data.datasets import check_finite
-from ..nn.functional import finite_at_least, whole_number
+from ..nn.functional import finite_at_least
 from ..privacy.accounting import check_positive_finite
-from ..privacy.certified import is_whole
+from ..privacy.certified import is_whole, whole_number
 from ..privacy import secret_generator
 from .networks import (
     INIT_SCHEMES,

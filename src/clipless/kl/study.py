@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..data.datasets import load_mnist
 from ..diagnostics.membership import loss_threshold_attack
 from ..diagnostics.plots import save_figure
-from ..nn.functional import whole_number
+from ..privacy.certified import whole_number
 from ..privacy.accounting import check_positive_finite
 from ..privacy.distributed import world
 from ..train.checkpoint import keep_earlier_files, write_atomically

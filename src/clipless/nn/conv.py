@@ -14,10 +14,11 @@ from ..privacy.certified import (
     BoundError,
     CertifiedValueCache,
     certified_spectral_norm,
+    whole_number,
 )
 from ..privacy.modules import BoundedModule, LayerBound
 from .functional import (affine_layer_bound, bjorck_orthonormalize, check_bias_bound, check_projection, clip_norm_,
-                         project_matrix_, whole_number)
+                         project_matrix_)
 
 __all__ = ["LipschitzConv2d", "OrthogonalConv2d", "fft_operator_norm"]
 

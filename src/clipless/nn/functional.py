@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from ..privacy.certified import (
     is_real,
-    is_whole,
     CERT_MARGIN,
     BoundError,
     CertifiedValueCache,
@@ -111,14 +110,6 @@ def clip_norm_(tensor: torch.Tensor, max_norm: float) -> None:
     norm = torch.linalg.vector_norm(tensor.to(torch.float64)).item()
     if norm > max_norm:
         tensor.mul_(max_norm / norm)
-
-
-def whole_number(value: int, name: str, minimum: int = 1) -> int:
-    """An integer constant (a width, a kernel size, a class count) ``>= minimum``: ``2.5`` classes would have
-    declared ``sqrt(2.5/1.5)`` for a loss computed with 2, ``True`` would read as 1."""
-    if not is_whole(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def finite_at_least(value: float, name: str, minimum: float = 0.0) -> float:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from ..privacy.modules import BoundedModule, InputClip, LayerBound
 from ..privacy.accounting import check_positive_finite
-from ..privacy.certified import is_whole
-from .functional import broadcast_per_example, l2_norm_pool2d, max_min, per_example_norm, whole_number
+from ..privacy.certified import is_whole, whole_number
+from .functional import broadcast_per_example, l2_norm_pool2d, max_min, per_example_norm
 
 __all__ = ["InputNormClip", "GroupSort", "MaxMin", "L2NormPool2d", "ScaledAvgPool2d", "Permute", "LayerCentering"]
 

@@ -12,10 +12,11 @@ from torch import nn
 from ..privacy.certified import (
     CertifiedValueCache,
     certified_spectral_norm,
+    whole_number,
 )
 from ..privacy.modules import BoundedModule, LayerBound
 from .functional import (affine_layer_bound, bjorck_orthonormalize, check_bias_bound, check_projection, clip_norm_,
-                         rescale_to_unit_ball_, whole_number)
+                         rescale_to_unit_ball_)
 
 __all__ = ["LipschitzLinear"]
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from ..privacy.certified import BoundError
 from ..privacy.modules import LipschitzLoss
 from ..privacy.accounting import check_positive_finite
-from .functional import finite_at_least, whole_number
+from ..privacy.certified import whole_number
+from .functional import finite_at_least
 
 __all__ = [
     "TauCrossEntropy",

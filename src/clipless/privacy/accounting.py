@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import dp_accounting
 from dp_accounting import pld, rdp
 
-from .certified import DeclaredConstants, is_real, is_whole
+from .certified import DeclaredConstants, is_real, is_whole, whole_number
 
 __all__ = [
     "bind_accountant",
@@ -380,8 +380,7 @@ def calibrate_steps(
     """Largest number of steps, at most ``max_steps``, whose epsilon is ``<= target_epsilon`` (0 if even one step
     exceeds it).  Epsilon grows with the steps: doubling brackets the answer, bisection finds it, and every
     answer is a count whose epsilon was evaluated."""
-    if not is_whole(max_steps) or max_steps < 1:
-        raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+    max_steps = whole_number(max_steps, "max_steps")
     check_positive_finite(target_epsilon, "target epsilon")  # NaN or a negative target would answer 0 steps
 
     def feasible(steps: int) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["CERT_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm", "bjorck_residual",
            "certified_bjorck_step", "CertifiedValueCache", "ieee_matmul", "ieee_convolutions",
-           "is_real", "is_whole"]
+           "is_real", "is_whole", "whole_number"]
 
 # Relative safety margin applied to norms computed in float64 from float32
 # weights: float64 SVD is backward-stable to ~1e-15 relative, so 1e-9 is a
@@ -31,6 +31,14 @@ def is_real(value: Any) -> bool:
 def is_whole(value: Any) -> bool:
     """An integer that is not a bool (``True`` would read as 1 step, class or width)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def whole_number(value: int, name: str, minimum: int = 1) -> int:
+    """An integer constant (a width, a kernel size, a class count) ``>= minimum``: ``2.5`` classes would have
+    declared ``sqrt(2.5/1.5)`` for a loss computed with 2, ``True`` would read as 1."""
+    if not is_whole(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 class BoundError(ValueError):

@@ -22,7 +22,7 @@ import torch
 from .accounting import PrivacyAccountant, bind_accountant, check_nothing_released
 from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
-from .certified import BoundError, is_whole
+from .certified import BoundError, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
 from .input_guard import InputGuard, StepGuard, rows_repeated, unwatched
 from .modules import DeclaredConstants, step_mechanisms
@@ -101,9 +101,7 @@ class DPOptimizer(DeclaredConstants):
         distributed: bool = False,
         augmentation_multiplicity: int = 1,
     ) -> None:
-        if not is_whole(augmentation_multiplicity) or augmentation_multiplicity < 1:
-            raise ValueError(f"augmentation_multiplicity must be an integer >= 1, got {augmentation_multiplicity!r}")
-        augmentation_multiplicity = int(augmentation_multiplicity)  # numpy's integers too
+        augmentation_multiplicity = whole_number(augmentation_multiplicity, "augmentation_multiplicity")
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
                              f"{accountant.mechanism!r}")
