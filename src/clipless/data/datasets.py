@@ -555,8 +555,7 @@ def load_tabular(
                 raise ValueError(f"{p.name} has no column named {label_column!r}" +
                                  (f" (its columns: {', '.join(header)})" if has_header else " (it has no header)"))
             col = header.index(label_column)
-        elif not is_whole(label_column) or not (
-                -width <= label_column < width):
+        elif not is_whole(label_column) or not -width <= label_column < width:
             raise ValueError(f"label_column must be a column name or an index in [-{width}, {width}) for the "
                              f"{width} columns of {p.name}, got {label_column!r}")
         else:

@@ -114,8 +114,7 @@ def clip_norm_(tensor: torch.Tensor, max_norm: float) -> None:
 
 def finite_at_least(value: float, name: str, minimum: float = 0.0) -> float:
     """A real constant (a margin, a weight in a loss) that must be finite and ``>= minimum``."""
-    if not (is_real(value) and math.isfinite(value)
-            and value >= minimum):
+    if not (is_real(value) and math.isfinite(value) and value >= minimum):
         raise ValueError(f"{name} must be a finite number >= {minimum:g}, got {value!r}")
     return float(value)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -136,8 +135,7 @@ def _check_rate(sample_rate: Any) -> None:
 def _step_count(steps: Any) -> int:
     """A number of composed steps: a whole number >= 0.  ``int()`` would truncate 2.7 to 2 and a negative count
     merged into the history would take steps away, each a silently low epsilon."""
-    if not is_real(steps) or not (
-            isinstance(steps, numbers.Integral) or float(steps).is_integer()) or steps < 0:
+    if not is_real(steps) or not (is_whole(steps) or float(steps).is_integer()) or steps < 0:
         raise ValueError(f"a step count must be a whole number >= 0, got {steps!r}")
     return int(steps)
 

@@ -122,8 +122,7 @@ def _relative_weights(report: Optional[BoundReport], strategy: str, weights: Lay
     if unknown:
         raise ValueError(f"layer_noise_multipliers name unknown layers {sorted(unknown)}; layers are {names}")
     # a weight is a number: float() would read "2" and True as weights
-    bad = {k: v for k, v in weights.items()
-           if not is_real(v) or not 0 < v < math.inf}
+    bad = {k: v for k, v in weights.items() if not is_real(v) or not 0 < v < math.inf}
     if bad:
         raise ValueError(f"layer_noise_multipliers must be positive finite relative weights, got {bad}")
     return {name: float(weights.get(name, 1.0)) for name in names}

@@ -39,8 +39,7 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
     ``input_bound`` that every input is then checked against — never from the
     data itself.  The check admits norms up to ``input_bound (1 + INPUT_BOUND_TOLERANCE)``, and so does ``X_0``.
     """
-    if input_bound is not None and (not is_real(input_bound)
-                                    or not 0 < float(input_bound) < math.inf):
+    if input_bound is not None and (not is_real(input_bound) or not 0 < float(input_bound) < math.inf):
         # named as given, before the tolerance (which made -1 read as -1.000001)
         raise BoundError(f"input_bound must be a positive finite number (every input's L2 norm is checked against "
                          f"it), got {input_bound!r}")
