@@ -210,6 +210,14 @@ def test_make_private_reads_every_record_of_a_dataset_not_in_memory_before_any_s
     assert sorted(set(reads)) == list(range(40)) and len(reads) == 42
     with pytest.raises(ValueError, match=r"per-example shape \(1, 4, 5\)"):
         private(Files(torch.rand(40, 1, 4, 5) / 8, y))
+    # records the step's norms cannot take (8-bit pixels) or whose arithmetic no bound certifies: refused here, in
+    # memory or not, not by torch's error at the first nonempty Poisson batch
+    for dtype in (torch.uint8, torch.int64, torch.float16, torch.bfloat16):
+        for dataset in (Files((x * 4).to(dtype), y), cl.ArrayDataset((x * 4).to(dtype), y)):
+            with pytest.raises(ValueError, match=f"the training data: records of dtype {dtype}; the private step "
+                                                 "takes float32 or float64 inputs"):
+                private(dataset)
+    private(Files(x.double(), y))  # float64 records pass the read (a float64 model takes them)
     # check_records=False: no read ahead; the step refuses the record when a batch holds it
     reads.clear()
     private(Files(*changed(37, value=x[37] * 8)), check_records=False)

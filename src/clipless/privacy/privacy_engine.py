@@ -62,8 +62,8 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
                           output_shape: Tuple[int, ...], data_bound: Optional[float] = None, read: bool = True,
                           indices: Optional[Sequence[int]] = None) -> None:
     """Every record of ``data`` (of ``indices`` if given), checked as the private step checks a batch, before any
-    step: its per-example shape, finite values, the data bound (training data) and its label by the loss's own rule
-    for the model's output shape.  A record that fails would otherwise stop the run at the step whose Poisson batch
+    step: its per-example shape, its dtype (float32 or float64), finite values, the data bound (training data) and
+    its label by the loss's own rule for the model's output shape.  A record that fails would otherwise stop the run at the step whose Poisson batch
     first holds it: after a number of released steps that depends on that record, or never.  An in-memory dataset
     is checked from its tensors; another is read once in order (:func:`~clipless.privacy.sampling.record_chunks`),
     unless ``read=False``.  A dataset whose records change from one read to the next (random transforms in
@@ -74,6 +74,10 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
         if tuple(inputs.shape[1:]) != tuple(input_shape):
             raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's "
                              f"input_shape is {tuple(input_shape)}")
+        if inputs.dtype not in (torch.float32, torch.float64):  # the step's norms and certified bounds need these
+            raise ValueError(f"{what}: records of dtype {inputs.dtype}; the private step takes float32 or float64 "
+                             "inputs (the bounds are certified for that arithmetic): convert them first, e.g. "
+                             "x.float() / 255 for 8-bit pixels")
         if not all_finite(inputs):
             raise ValueError(f"{what} contains NaN or infinite values; clean the data before private training")
         if data_bound is not None and above_data_bound(inputs, data_bound):
