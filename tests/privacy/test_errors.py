@@ -149,6 +149,33 @@ def test_make_private_checks_every_in_memory_record_before_any_step():
             optimizer.step()
 
 
+def test_the_read_of_the_records_shows_a_bar_on_a_terminal_only(capsys, monkeypatch):
+    """The record check's read of a dataset not in memory can be long: a bar counts the records, shown where
+    ``progress`` asks for it (by default, when stderr is a terminal), never for a dataset in memory."""
+    from torch.utils.data import Dataset
+
+    class Files(Dataset):
+        def __len__(self):
+            return 50
+
+        def __getitem__(self, i):
+            return torch.full(SHAPE, 0.01), i % 3
+
+    def private(dataset, **kwargs):
+        model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=None)
+        cl.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=dataset,
+            loss=cl.TauCrossEntropy(), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0, input_bound=1.0,
+            **kwargs)
+        return capsys.readouterr().err
+
+    assert "checking the records:   0%|          | 0/50" in private(Files(), progress=True)
+    assert private(Files()) == "" and private(Files(), progress=False) == ""  # pytest's stderr is no terminal
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert "checking the records" in private(Files())
+    assert private(cl.ArrayDataset(torch.full((50, *SHAPE), 0.01), torch.arange(50) % 3), progress=True) == ""
+
+
 def test_make_private_reads_every_record_of_a_dataset_not_in_memory_before_any_step():
     """A dataset that hands over no tensors (records read from files, built in ``__getitem__``) is read once, in order,
     by make_private: a bad record anywhere in it is refused before any step, not at the step whose secret Poisson

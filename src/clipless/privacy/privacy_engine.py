@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -60,17 +61,17 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
 @torch.no_grad()
 def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLoss, input_shape: Tuple[int, ...],
                           output_shape: Tuple[int, ...], data_bound: Optional[float] = None, read: bool = True,
-                          indices: Optional[Sequence[int]] = None) -> None:
+                          indices: Optional[Sequence[int]] = None, progress: bool = False) -> None:
     """Every record of ``data`` (of ``indices`` if given), checked as the private step checks a batch, before any
     step: its per-example shape, its dtype (float32 or float64), finite values, the data bound (training data) and
     its label by the loss's own rule for the model's output shape.  A record that fails would otherwise stop the run at the step whose Poisson batch
     first holds it: after a number of released steps that depends on that record, or never.  An in-memory dataset
     is checked from its tensors; another is read once in order (:func:`~clipless.privacy.sampling.record_chunks`),
-    unless ``read=False``.  A dataset whose records change from one read to the next (random transforms in
+    unless ``read=False`` (``progress``: with a bar).  A dataset whose records change from one read to the next (random transforms in
     ``__getitem__``) is checked on the draws read here; the step checks its later draws."""
     if data is None or (not read and in_memory_records(data) is None):
         return
-    for inputs, labels in record_chunks(data, indices):
+    for inputs, labels in record_chunks(data, indices, progress=progress):
         if tuple(inputs.shape[1:]) != tuple(input_shape):
             raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's "
                              f"input_shape is {tuple(input_shape)}")
@@ -142,6 +143,7 @@ class PrivacyEngine(DeclaredConstants):
         augmentation_multiplicity: int = 1,
         external_batches: bool = False,
         check_records: bool = True,
+        progress: Optional[bool] = None,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(module, dp_optimizer, poisson_loader)``.
 
@@ -168,7 +170,8 @@ class PrivacyEngine(DeclaredConstants):
         (the accountant assumes it does; nothing can check it).  Every record of ``data`` is checked first, by
         the step's own rules (:func:`check_dataset_records`): a dataset that is not in memory is read once for it
         (on each rank, its own shard), unless ``check_records=False``; its records are then checked only when a
-        batch holds them, and a bad one stops the run at a step that depends on the secret sampling.
+        batch holds them, and a bad one stops the run at a step that depends on the secret sampling.  ``progress``:
+        a bar while that read runs (default: on a terminal, on rank 0).
         """
         self.check_accountant()
         if not isinstance(loss, LipschitzLoss):
@@ -179,6 +182,9 @@ class PrivacyEngine(DeclaredConstants):
         rank, world_size = world()
         if distributed is None:
             distributed = world_size > 1
+        if progress is None:
+            progress = sys.stderr.isatty()
+        progress = bool(progress) and rank == 0
         if distributed:
             if world_size == 1:
                 raise ValueError("distributed=True needs an initialized torch.distributed process group of >= 2 "
@@ -222,13 +228,13 @@ class PrivacyEngine(DeclaredConstants):
         if distributed:  # each rank reads its own shard; a refusal on one is a refusal on all (no rank left waiting)
             same_outcome_on_all_ranks(lambda: check_dataset_records(
                 dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound,
-                read=check_records, indices=range(rank, n, world_size)),
+                read=check_records, indices=range(rank, n, world_size), progress=progress),
                 device=next((p.device for p in module.parameters()), torch.device("cpu")),  # NCCL: CUDA tensors only
                 refused="refused a record of their shard of the training data (their error says which check): no "
                         "rank goes on; clean the data")
         else:
             check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape,
-                                  data_bound, read=check_records)
+                                  data_bound, read=check_records, progress=progress)
         steps_per_epoch = max(1, round(1.0 / sample_rate))
         plan = plan_noise(
             engine.compute(),

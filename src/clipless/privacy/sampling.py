@@ -56,12 +56,12 @@ def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     return None
 
 
-def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None,
-                  chunk: int = 1 << 12) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None, chunk: int = 1 << 12,
+                  progress: bool = False) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
     """Every record of ``data`` (those of ``indices`` if given) as ``(inputs, labels)`` chunks, as the Poisson
     loader yields them: an in-memory dataset's tensors (:func:`in_memory_records`), another dataset read once in
-    order through the loader's collate.  Stops at a chunk that is not an ``(inputs, labels)`` pair of tensors (records
-    of another structure are checked when a batch holds them)."""
+    order through the loader's collate (``progress``: with a bar of the records read).  Stops at a chunk that is not
+    an ``(inputs, labels)`` pair of tensors (records of another structure are checked when a batch holds them)."""
     records = in_memory_records(data)
     if records is not None:
         inputs, labels = (torch.as_tensor(t) for t in records)  # a dataset of one's own may hand over arrays
@@ -76,11 +76,22 @@ def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None,
     view = _GatherView(data) if hasattr(data, "gather") else data
     loader = DataLoader(view, batch_sampler=[order[i:i + chunk] for i in range(0, len(order), chunk)],
                         collate_fn=BatchCollator(data))
-    for batch in loader:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-                and all(isinstance(t, torch.Tensor) for t in batch)):
-            return
-        yield batch[0], batch[1]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(order), desc="checking the records", unit="record", leave=False)
+    try:
+        for batch in loader:
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+                    and all(isinstance(t, torch.Tensor) for t in batch)):
+                return
+            if bar is not None:
+                bar.update(len(batch[1]))
+            yield batch[0], batch[1]
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def expected_batch_size(batch_size: Any, records: int) -> float:

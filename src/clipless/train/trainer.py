@@ -158,6 +158,7 @@ class PrivateTrainer(DeclaredConstants):
             distributed=distributed,
             augmentation_multiplicity=augmentation_multiplicity,
             check_records=check_records,
+            progress=progress,
         )
         # the training records were checked by make_private; held-out ones are evaluated without gradients (and a
         # bad one stops no private step), so only an in-memory test set, checked from its tensors, is checked here
