@@ -68,8 +68,10 @@ def _worker(rank: int, size: int, args: argparse.Namespace, init: str, out: str)
             times.append(time.perf_counter() - start)
             examples.append(len(xb))
     if rank == 0:
-        Path(out).write_text(json.dumps({"median_s": statistics.median(times), "local_examples": examples,
-                                         "threads": threads}))
+        from report import write_json
+
+        write_json(out, {"median_s": statistics.median(times), "local_examples": examples, "threads": threads},
+                   quiet=True)
     if size > 1:
         del ddp, opt, loader
         gc.collect()  # a DistributedDataParallel that outlives its group now and then aborts the process at exit

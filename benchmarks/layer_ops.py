@@ -14,10 +14,8 @@ a change to one of them goes. Compare two trees by running this script once per 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -97,10 +95,9 @@ def main() -> None:
         print(f"{r['op']:<24}{str(tuple(r['shape'])):<22}{r['forward_ms']:>12.3f}{r['backward_ms']:>13.3f}"
               f"{r['forward_backward_ms']:>10.3f}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"rows": rows, "threads": args.threads, "repeats": args.repeats},
-                                             indent=2))
-        print(f"wrote {args.out}")
+        from report import write_json
+
+        write_json(args.out, {"rows": rows, "threads": args.threads, "repeats": args.repeats})
 
 
 if __name__ == "__main__":

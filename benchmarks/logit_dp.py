@@ -12,7 +12,6 @@ writes JSON and a plot of the held-out loss per epoch.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -62,8 +61,9 @@ def plot(results: list, path: Path) -> None:
     ax.set_title(f"MNIST pairs, epsilon {max(eps):.2f}" if eps else "MNIST pairs")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from report import save_plot
+
+    save_plot(fig, path)
 
 
 def add_pretraining_options(parser: argparse.ArgumentParser, batch_size, epochs, crop_padding) -> None:
@@ -124,9 +124,9 @@ def main() -> None:
     print(f"| untrained encoder (same init) | - | - | - | - | - | - | {reference['knn3_accuracy']:.4f} | "
           f"{reference['linear_probe_accuracy']:.4f} | - |")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump({"config": vars(args), "untrained": reference, "results": results}, fh, indent=2)
+    from report import write_json
+
+    write_json(out, {"config": vars(args), "untrained": reference, "results": results}, quiet=True)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

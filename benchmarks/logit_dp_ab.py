@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import re
 import statistics
 import subprocess
@@ -91,8 +90,9 @@ def main() -> None:
           f"{median['naive_dp']:.3f} s; before / naive {record['before_over_naive']:.1f}x, after / naive "
           f"{record['after_over_naive']:.1f}x, after / before {record['after_over_before']:.2f}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
+    from report import write_json
+
+    write_json(out, record, quiet=True)
     print(f"wrote {out}", file=sys.stderr)
 
 

@@ -111,8 +111,9 @@ def plot(summary: dict, path: Path, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from report import save_plot
+
+    save_plot(fig, path)
 
 
 def main() -> None:

@@ -19,13 +19,12 @@ Adam, the projection, and the rest); writes ``phases_<model>_<batch>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from report import use_allocator
+from report import use_allocator, write_json, write_text
 from speed import _build
 from torch.profiler import ProfilerActivity, profile
 
@@ -131,7 +130,7 @@ def main() -> None:
         use_allocator("tuned")  # as the speed benchmark's workers and the CLI
         for model_name in args.models:
             result = phases(model_name, args.batch, args.device, args.steps)
-            (out / f"phases_{model_name}_{args.batch}.json").write_text(json.dumps(result, indent=2))
+            write_json(out / f"phases_{model_name}_{args.batch}.json", result, quiet=True)
             print(f"{model_name}, batch {args.batch}, {args.device}: medians of {args.steps} steps (ms)")
             for method in ("lipschitz_ms", "clipless_ms"):
                 print(f"  {method[:-3]:9s} " + ", ".join(f"{k} {v:.2f}" for k, v in result[method].items()))
@@ -156,7 +155,7 @@ def main() -> None:
             text = avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
             device = (avg.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60)
                       if cuda else "")
-            (out / f"profile_{model}_{method}.txt").write_text(text + "\n\n" + device)
+            write_text(out / f"profile_{model}_{method}.txt", text + "\n\n" + device)
             syncs = sum(e.count for e in avg if e.key in SYNCS)
             reads = [(e.key, e.count) for e in avg
                      if "Memcpy DtoH" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import resource
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Sequence, Union
 
 
 def print_table(header: str, lines: Sequence[str]) -> None:
@@ -15,11 +15,32 @@ def print_table(header: str, lines: Sequence[str]) -> None:
         print(line)
 
 
-def write_json(path: str, payload: Dict[str, Any]) -> None:
+def write_json(path: Union[str, Path], payload: Any, quiet: bool = False) -> None:
+    """``payload`` as JSON at ``path``, replaced at once: a run killed while writing leaves the earlier file whole."""
+    from clipless.train.checkpoint import write_atomically
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2, default=str))
-    print(f"wrote {out}")
+    write_atomically(out, (json.dumps(payload, indent=2, default=str) + "\n").encode())
+    if not quiet:
+        print(f"wrote {out}")
+
+
+def write_text(path: Union[str, Path], text: str) -> None:
+    """``text`` at ``path``, replaced at once (as :func:`write_json`)."""
+    from clipless.train.checkpoint import write_atomically
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(Path(path), text.encode())
+
+
+def save_plot(fig: Any, path: Union[str, Path]) -> Path:
+    """Save and close ``fig``, replacing ``path`` at once (``clipless.diagnostics.plots.save_figure``)."""
+    import matplotlib.pyplot as plt
+
+    from clipless.diagnostics.plots import save_figure
+
+    return save_figure(plt, fig, path)
 
 
 def rss_mb() -> float:

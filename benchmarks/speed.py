@@ -288,11 +288,9 @@ def plot(rows, methods, path: Path) -> None:
     ax1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="median step time (ms)")
     ax2.set(xscale="log", yscale="log", xlabel="batch size", ylabel="peak memory increase (MB)")
     ax1.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    from report import save_plot
+
+    print(f"wrote {save_plot(fig, path)}")
 
 
 if __name__ == "__main__":
