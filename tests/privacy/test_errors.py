@@ -149,6 +149,48 @@ def test_make_private_checks_every_in_memory_record_before_any_step():
             optimizer.step()
 
 
+def test_a_data_loaders_worker_settings_are_kept_and_its_own_collate_is_refused():
+    """A ``DataLoader`` given to make_private keeps how its records are loaded (worker processes, pinned memory):
+    dropping them silently made a dataset that decodes files in ``__getitem__`` load in one process.  Its batches
+    become Poisson batches; a collate function of its own is refused, since it sees the whole batch and may mix
+    records (mixup across the batch), which no per-example bound covers."""
+    from torch.utils.data import DataLoader, Dataset
+
+    class Files(Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.full(SHAPE, 0.01 * (i % 7)), i % 3
+
+    def private(data, **kwargs):
+        model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=None)
+        loss = cl.TauCrossEntropy()
+        _, optimizer, loader = cl.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=loss,
+            noise_multiplier=1.0, input_shape=SHAPE, input_bound=1.0, progress=False, **kwargs)
+        return model, optimizer, loader, loss
+
+    model, optimizer, loader, loss = private(DataLoader(Files(), batch_size=16, num_workers=2,
+                                                        persistent_workers=True, shuffle=True))
+    assert loader.num_workers == 2 and loader.persistent_workers and type(loader).__name__ == "PoissonDataLoader"
+    for x, y in loader:  # batches loaded by the workers still pass the step's checks
+        optimizer.zero_grad()
+        loss.per_example(model(x), y).sum().backward()
+        optimizer.step()
+    assert optimizer.accountant.steps == 4  # one epoch: 4 Poisson batches at rate 16/64
+    assert private(DataLoader(Files(), batch_size=16))[2].num_workers == 0
+    assert private(loader, batch_size=16.0)[2].num_workers == 2  # a Poisson loader given again (a model made private again)
+
+    def mixup(batch):
+        x = torch.stack([b[0] for b in batch])
+        return 0.5 * (x + x.flip(0)), torch.tensor([b[1] for b in batch])
+
+    for collate in (mixup, lambda batch: torch.utils.data.default_collate(batch)):
+        with pytest.raises(ValueError, match="the data loader has a collate_fn of its own .* may mix its records"):
+            private(DataLoader(Files(), batch_size=16, collate_fn=collate))
+
+
 def test_the_read_of_the_records_shows_a_bar_on_a_terminal_only(capsys, monkeypatch):
     """The record check's read of a dataset not in memory can be long: a bar counts the records, shown where
     ``progress`` asks for it (by default, when stderr is a terminal), never for a dataset in memory."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, 
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
 from .sampling import (dataset_size, expected_batch_size, in_memory_records, poisson_data_loader, poisson_threshold,
-                       record_chunks)
+                       record_chunks, worker_options)
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records"]
 
@@ -89,16 +89,20 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
             raise ValueError(f"{what}: {err}") from None
 
 
-def _dataset_of(data: Union[Dataset, DataLoader], batch_size: Optional[float]) -> Tuple[Dataset, float]:
+def _dataset_of(data: Union[Dataset, DataLoader],
+                batch_size: Optional[float]) -> Tuple[Dataset, float, Dict[str, Any]]:
+    """The dataset, the expected batch size and, of a loader, its worker settings (:func:`worker_options`)."""
+    options: Dict[str, Any] = {}
     if isinstance(data, DataLoader):
         if batch_size is None:
             if data.batch_size is None:
                 raise ValueError("give batch_size: the data loader has no fixed batch size")
             batch_size = data.batch_size
+        options = worker_options(data)
         data = data.dataset
     if batch_size is None:
         raise ValueError("give the expected batch size (batch_size)")
-    return data, expected_batch_size(batch_size, dataset_size(data))
+    return data, expected_batch_size(batch_size, dataset_size(data)), options
 
 
 class PrivacyEngine(DeclaredConstants):
@@ -153,6 +157,9 @@ class PrivacyEngine(DeclaredConstants):
         part of each global Poisson batch and ``batch_size`` is the expected *global* batch
         (:mod:`clipless.privacy.distributed`).  Every rank must call it with the same settings: checked.
 
+        ``data``: a map-style dataset, or a ``DataLoader`` whose dataset and worker settings (``num_workers``,
+        ``pin_memory``, ...) the Poisson loader keeps; its sampler and batch size are replaced by Poisson sampling,
+        and a ``collate_fn`` of its own is refused (it may mix the records of a batch).
         ``batch_size`` is the *expected* Poisson batch size ``b = qN``.  In the
         loop, backpropagate ``loss.per_example(module(x), y).sum()`` and call
         ``dp_optimizer.step()`` once per batch, empty batches included.
@@ -177,7 +184,7 @@ class PrivacyEngine(DeclaredConstants):
         if not isinstance(loss, LipschitzLoss):
             raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
         input_shape = check_input_shape(input_shape)
-        dataset, b = _dataset_of(data, batch_size)
+        dataset, b, loader_options = _dataset_of(data, batch_size)
         n = len(dataset)  # type: ignore[arg-type]
         rank, world_size = world()
         if distributed is None:
@@ -255,10 +262,11 @@ class PrivacyEngine(DeclaredConstants):
         if distributed:
             sampler = DistributedPoissonBatchSampler(n, sample_rate, rank, world_size, steps_per_epoch,
                                                      sampling_generator)
-            loader = poisson_data_loader(dataset, sample_rate, steps_per_epoch=steps_per_epoch, batch_sampler=sampler)
+            loader = poisson_data_loader(dataset, sample_rate, steps_per_epoch=steps_per_epoch, batch_sampler=sampler,
+                                         worker_options=loader_options)
         else:
             loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
-                                         steps_per_epoch=steps_per_epoch)
+                                         steps_per_epoch=steps_per_epoch, worker_options=loader_options)
         dp_optimizer.watch_batches(loader, external_batches, input_guard=self.guard)
         return wrapped, dp_optimizer, loader
 

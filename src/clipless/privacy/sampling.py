@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset, TensorDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .input_guard import batch_row_digests
 from .certified import DeclaredConstants, is_real
@@ -15,7 +15,7 @@ from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
            "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS",
-           "in_memory_records", "record_chunks"]
+           "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
@@ -225,15 +225,42 @@ def poisson_data_loader(
     steps_per_epoch: Optional[int] = None,
     num_workers: int = 0,
     batch_sampler: Optional[Sampler[List[int]]] = None,
+    worker_options: Optional[Mapping[str, Any]] = None,
 ) -> PoissonDataLoader:
     """A ``DataLoader`` over ``dataset`` with Poisson batches (possibly empty); ``batch_sampler`` replaces the
-    one-process sampler (a rank's part of a distributed Poisson batch)."""
+    one-process sampler (a rank's part of a distributed Poisson batch); ``worker_options``: how records are loaded
+    (:func:`worker_options`), never which."""
     sampler = batch_sampler if batch_sampler is not None else PoissonBatchSampler(
         len(dataset), sample_rate, steps_per_epoch, generator)  # type: ignore[arg-type]
     if hasattr(dataset, "gather"):
         dataset = _GatherView(dataset)
-    return PoissonDataLoader(dataset, batch_sampler=sampler, collate_fn=BatchCollator(dataset),
-                             num_workers=num_workers)
+    options = {"num_workers": num_workers, **(worker_options or {})}
+    return PoissonDataLoader(dataset, batch_sampler=sampler, collate_fn=BatchCollator(dataset), **options)
+
+
+# The DataLoader settings that say how records are loaded (processes, pinned memory), not which records a batch holds
+# or how they are put together: kept from a loader given to make_private.
+WORKER_SETTINGS = ("num_workers", "pin_memory", "pin_memory_device", "timeout", "worker_init_fn",
+                   "multiprocessing_context", "prefetch_factor", "persistent_workers")
+
+
+def worker_options(loader: DataLoader) -> Dict[str, Any]:
+    """The worker settings of ``loader`` for its Poisson replacement; a collate function of its own is refused: it
+    sees a whole batch and may mix its records (mixup, normalising by the batch's statistics), so that one record
+    reaches every row and the per-example bound no longer holds for it."""
+    collate = loader.collate_fn
+    if isinstance(collate, BatchCollator):  # a Poisson loader's own (a model made private again)
+        collate = collate.collate_fn
+    if collate not in (default_collate, default_convert):
+        raise ValueError(f"the data loader has a collate_fn of its own ({getattr(collate, '__name__', collate)!r}): "
+                         "it sees the whole batch and may mix its records, so that one record reaches several "
+                         "rows and the per-example bound would not hold; transform each record in the dataset's "
+                         "__getitem__ (the Poisson loader collates records with torch's default_collate)")
+    options = {name: getattr(loader, name) for name in WORKER_SETTINGS if hasattr(loader, name)}
+    if not options.get("num_workers"):  # torch refuses these without worker processes
+        for name in ("prefetch_factor", "persistent_workers", "timeout", "worker_init_fn", "multiprocessing_context"):
+            options.pop(name, None)
+    return options
 
 
 class PoissonDataLoader(DataLoader):
