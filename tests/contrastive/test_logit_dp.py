@@ -1857,3 +1857,21 @@ def test_the_pretrainers_privacy_settings_are_read_only_and_checked_every_step()
     object.__setattr__(t.plan, "step_sigma", step_sigma)
     t._step(xa, xb)  # as built, it steps
     assert t.accountant.steps == 1
+
+
+def test_pairs_given_as_a_data_loader_keep_its_workers_and_get_poisson_batches() -> None:
+    """A ``DataLoader`` of pairs failed with ``'DataLoader' object is not subscriptable``. As in ``make_private``,
+    its dataset is sampled by Poisson batches at ``batch_size / len(dataset)`` (not per loader batch), its worker
+    settings are kept, and a collate function of its own is refused (it may mix the pairs of a batch)."""
+    from torch.utils.data import DataLoader
+
+    data, pairs = _digits_pairs()
+    held_out = AugmentedPairs(data.test.features, 1, False)
+    t = _trainer("logit_dp", pairs=DataLoader(pairs, batch_size=64, num_workers=2, shuffle=True), epochs=1,
+                 eval_pairs=DataLoader(held_out, batch_size=32))
+    assert t.pairs is pairs and t.eval_pairs is held_out and t.sample_rate == 128 / len(pairs)
+    assert t.loader.num_workers == 2
+    t.fit()
+    assert t.accountant.steps == t.planned_steps
+    with pytest.raises(ValueError, match="collate_fn of its own"):
+        _trainer("logit_dp", pairs=DataLoader(pairs, batch_size=64, collate_fn=lambda b: b))

@@ -31,7 +31,7 @@ from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.input_guard import all_finite
-from ..privacy.sampling import expected_batch_size, poisson_data_loader, record_chunks
+from ..privacy.sampling import expected_batch_size, poisson_data_loader, record_chunks, worker_options
 from ..train.checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                                 fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                                 save_checkpoint)
@@ -192,6 +192,9 @@ _SETTINGS_BEHIND = {
 class ContrastivePretrainer(DeclaredConstants):
     """Pre-train ``encoder`` on the positive pairs ``pairs`` with ``method`` in ``METHODS``.
 
+    ``pairs`` (and ``eval_pairs``): a dataset of ``(view, view)`` records, or a ``DataLoader`` of one, whose worker
+    settings the Poisson loader keeps (its sampler and batch size give way; a ``collate_fn`` of its own is refused).
+
     ``clip_norm`` is ``B`` (per pair gradient, Logit-DP) or ``C`` (whole batch gradient, Naive-DP).
     Give ``target_epsilon`` (sigma is calibrated for ``epochs`` through the one noise plan,
     :func:`~clipless.privacy.calibration.plan_noise`) or ``noise_multiplier``.
@@ -213,7 +216,7 @@ class ContrastivePretrainer(DeclaredConstants):
         self,
         encoder: nn.Module,
         optimizer: torch.optim.Optimizer,
-        pairs: Dataset,
+        pairs: Union[Dataset, DataLoader],
         *,
         method: str = "logit_dp",
         loss: str = "contrastive",
@@ -226,7 +229,7 @@ class ContrastivePretrainer(DeclaredConstants):
         noise_multiplier: Optional[float] = None,
         accountant: str = "pld",
         noise_seed: Optional[int] = None,
-        eval_pairs: Optional[Dataset] = None,
+        eval_pairs: Union[Dataset, DataLoader, None] = None,
         gram_method: str = "auto",
         cross_term: str = "exact",
         progress: bool = True,
@@ -241,6 +244,11 @@ class ContrastivePretrainer(DeclaredConstants):
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         _check_loss(loss, tau)  # as given: float() would read True as 1
         _check_clip_norm(clip_norm, "C" if method == "naive_dp" else "B")
+        loader_options: Dict[str, Any] = {}
+        if isinstance(pairs, DataLoader):  # as make_private: its dataset and worker settings, Poisson batches
+            loader_options, pairs = worker_options(pairs), pairs.dataset
+        if isinstance(eval_pairs, DataLoader):
+            eval_pairs = eval_pairs.dataset
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
@@ -279,7 +287,8 @@ class ContrastivePretrainer(DeclaredConstants):
                            else naive_dp_sensitivity(self.clip_norm))
         self.accountant, self.plan, self.sensitivity = accounting, plan, sensitivity
         self.sigma: Optional[float] = None if plan is None else plan.step_sigma
-        self.loader = poisson_data_loader(pairs, self.sample_rate, generator=make_generator(noise_seed, stream=1))
+        self.loader = poisson_data_loader(pairs, self.sample_rate, generator=make_generator(noise_seed, stream=1),
+                                          worker_options=loader_options)
         # The noise is drawn where the gradients are (a CUDA encoder: a secret CUDA generator); batches follow.
         self.device = next((p.device for p in encoder.parameters()), torch.device("cpu"))
         self.noise_generator = make_generator(noise_seed, self.device, stream=2)
