@@ -473,3 +473,30 @@ def test_api_resume_on_another_split_refused(tmp_path):
     trainer.save_checkpoint(tmp_path / "ckpt.pt")
     with pytest.raises(ValueError, match="train_data=.*same records and train/test split"):
         digits_trainer(epochs=1, seed=0, data_seed=1).load_checkpoint(tmp_path / "ckpt.pt")
+
+
+def test_data_loaders_are_taken_as_their_datasets_by_the_trainer_and_the_dpsgd_baseline():
+    """``PrivateTrainer(test_data=DataLoader(...))`` and ``train_dpsgd(DataLoader(...))`` failed with ``'DataLoader'
+    object is not subscriptable``. A loader now stands for its dataset (Poisson batches over the training one, its
+    worker settings kept; the held-out one scored in batches of its own), and one of the training data as held-out
+    data is still refused."""
+    from torch.utils.data import DataLoader
+
+    from clipless.train.baselines import standard_mlp, train_dpsgd
+
+    shape = (1, 4, 4)
+    train = cl.ArrayDataset(torch.rand(64, *shape) / 4, torch.randint(0, 3, (64,)))
+    test = cl.ArrayDataset(torch.rand(32, *shape) / 4, torch.randint(0, 3, (32,)))
+    model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
+    trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(),
+                                DataLoader(train, batch_size=8), input_shape=shape, batch_size=8, delta=1e-3,
+                                epochs=1, noise_multiplier=1.0, progress=False, log=None,
+                                test_data=DataLoader(test, batch_size=5))
+    assert trainer.test_data is test and "test_accuracy" in trainer.fit().history[-1]
+    result = train_dpsgd(standard_mlp(shape, 3, hidden=[8]), DataLoader(train, batch_size=8, num_workers=2),
+                         batch_size=8, epochs=1, delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0,
+                         test_data=DataLoader(test, batch_size=5), progress=False)
+    assert result.steps == 8 and 0 <= result.test_accuracy <= 1
+    with pytest.raises(ValueError, match="held-out|training data"):
+        train_dpsgd(standard_mlp(shape, 3, hidden=[8]), train, batch_size=8, epochs=1, delta=1e-3, max_grad_norm=1.0,
+                    noise_multiplier=1.0, test_data=DataLoader(train, batch_size=5), progress=False)

@@ -31,7 +31,7 @@ from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.input_guard import all_finite
-from ..privacy.sampling import expected_batch_size, poisson_data_loader, record_chunks, worker_options
+from ..privacy.sampling import expected_batch_size, loader_parts, poisson_data_loader, record_chunks
 from ..train.checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                                 fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                                 save_checkpoint)
@@ -244,11 +244,8 @@ class ContrastivePretrainer(DeclaredConstants):
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         _check_loss(loss, tau)  # as given: float() would read True as 1
         _check_clip_norm(clip_norm, "C" if method == "naive_dp" else "B")
-        loader_options: Dict[str, Any] = {}
-        if isinstance(pairs, DataLoader):  # as make_private: its dataset and worker settings, Poisson batches
-            loader_options, pairs = worker_options(pairs), pairs.dataset
-        if isinstance(eval_pairs, DataLoader):
-            eval_pairs = eval_pairs.dataset
+        pairs, loader_options = loader_parts(pairs)  # as make_private: Poisson batches over a loader's dataset
+        eval_pairs, _ = loader_parts(eval_pairs)
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise

@@ -21,7 +21,7 @@ from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, 
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
 from .sampling import (dataset_size, expected_batch_size, in_memory_records, poisson_data_loader, poisson_threshold,
-                       record_chunks, worker_options)
+                       record_chunks, loader_parts)
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records"]
 
@@ -92,17 +92,14 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
 def _dataset_of(data: Union[Dataset, DataLoader],
                 batch_size: Optional[float]) -> Tuple[Dataset, float, Dict[str, Any]]:
     """The dataset, the expected batch size and, of a loader, its worker settings (:func:`worker_options`)."""
-    options: Dict[str, Any] = {}
-    if isinstance(data, DataLoader):
-        if batch_size is None:
-            if data.batch_size is None:
-                raise ValueError("give batch_size: the data loader has no fixed batch size")
-            batch_size = data.batch_size
-        options = worker_options(data)
-        data = data.dataset
+    if isinstance(data, DataLoader) and batch_size is None:
+        if data.batch_size is None:
+            raise ValueError("give batch_size: the data loader has no fixed batch size")
+        batch_size = data.batch_size
+    dataset, options = loader_parts(data)
     if batch_size is None:
         raise ValueError("give the expected batch size (batch_size)")
-    return data, expected_batch_size(batch_size, dataset_size(data)), options
+    return dataset, expected_batch_size(batch_size, dataset_size(dataset)), options
 
 
 class PrivacyEngine(DeclaredConstants):

@@ -15,7 +15,8 @@ from .randomness import secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
            "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS",
-           "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS"]
+           "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS",
+           "loader_parts"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
@@ -261,6 +262,14 @@ def worker_options(loader: DataLoader) -> Dict[str, Any]:
         for name in ("prefetch_factor", "persistent_workers", "timeout", "worker_init_fn", "multiprocessing_context"):
             options.pop(name, None)
     return options
+
+
+def loader_parts(data: Any) -> Tuple[Any, Dict[str, Any]]:
+    """``data`` as given, or a ``DataLoader``'s dataset and worker settings (:func:`worker_options`): a private run
+    draws its own Poisson batches from the dataset, and a held-out score reads it in batches of its own."""
+    if isinstance(data, DataLoader):
+        return data.dataset, worker_options(data)
+    return data, {}
 
 
 class PoissonDataLoader(DataLoader):

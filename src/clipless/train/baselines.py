@@ -13,7 +13,7 @@ import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from ..nn.models import build_optimizer
 from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.randomness import make_generator, randomness_label
-from ..privacy.sampling import poisson_data_loader
+from ..privacy.sampling import loader_parts, poisson_data_loader
 from .evaluation import collect_outputs, predictions
 
 __all__ = ["BaselineResult", "standard_mlp", "standard_cnn", "train_dpsgd", "train_nonprivate", "predict_scores"]
@@ -104,7 +104,7 @@ def predict_scores(model: nn.Module, data: Dataset, batch_size: int = 4096) -> D
 
 def train_dpsgd(
     model: nn.Module,
-    train_data: Dataset,
+    train_data: Union[Dataset, DataLoader],
     *,
     batch_size: int,
     epochs: int,
@@ -129,6 +129,8 @@ def train_dpsgd(
     ``target_epsilon`` (sigma is calibrated for ``epochs``), ``noise_multiplier``, or both (the run stops where
     the next step would pass the target; ``extra["stopped_by_budget"]`` says whether it did).
     """
+    train_data, loader_options = loader_parts(train_data)  # Poisson batches over a loader's dataset, its workers kept
+    test_data, _ = loader_parts(test_data)
     check_held_out(train_data, test_data)
     try:
         from ..extras import require
@@ -164,7 +166,7 @@ def train_dpsgd(
     # The same Poisson sampling as Opacus' loader (rate q, len(loader) steps per epoch), through the
     # library's batched gather: Opacus' loader fetches records one by one, which dominates small models.
     batches = poisson_data_loader(train_data, sample_rate, make_generator(noise_seed, stream=1),
-                                  steps_per_epoch=len(loader))
+                                  steps_per_epoch=len(loader), worker_options=loader_options)
     taken = 0
     start = time.perf_counter()
     for _ in tqdm(range(epochs), desc="dp-sgd (opacus)", disable=not progress):

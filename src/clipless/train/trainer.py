@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from ..data.augment import ImageAugmentation
 from ..data.datasets import check_held_out
@@ -27,7 +27,7 @@ from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
-from ..privacy.sampling import dataset_size, expected_batch_size
+from ..privacy.sampling import dataset_size, expected_batch_size, loader_parts
 from .checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                          fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                          save_checkpoint)
@@ -106,7 +106,7 @@ class PrivateTrainer(DeclaredConstants):
         layer_noise_multipliers: Union[Mapping[str, float], str, None] = None,
         accountant: str = "pld",
         noise_seed: Optional[int] = None,
-        test_data: Optional[Dataset] = None,
+        test_data: Union[Dataset, DataLoader, None] = None,
         device: str = "cpu",
         progress: bool = True,
         log: Optional[Callable[[str], None]] = print,
@@ -125,6 +125,7 @@ class PrivateTrainer(DeclaredConstants):
             raise ValueError("give epochs or target_epsilon: training would never stop")
         n = dataset_size(train_data)
         check_delta(delta, n)
+        test_data, _ = loader_parts(test_data)  # scored in batches of its own
         check_held_out(train_data, test_data)
         batch_size = expected_batch_size(batch_size, n)
         self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
