@@ -580,3 +580,35 @@ def test_every_declared_constant_of_the_layers_and_the_loss_is_checked_by_the_bo
             engine.lipschitz_constant()
         module.__dict__[name] = frozen
     engine.compute()
+
+
+def test_torch_learning_rate_schedulers_drive_the_private_optimizer():
+    """``StepLR(dp_optimizer, ...)`` raised "DPOptimizer is not an Optimizer". The private optimizer is now a
+    ``torch.optim.Optimizer`` to torch's schedulers, as in Opacus: they set the inner optimizer's learning rate, which
+    its steps use; copies keep the private optimizer whole (not the groups-and-state pickle of torch's class)."""
+    import copy
+
+    model, opt, loader, loss, engine, data = small_setup(lr=0.1)
+    assert isinstance(opt, torch.optim.Optimizer) and opt.state is opt.original_optimizer.state
+    assert opt.defaults is opt.original_optimizer.defaults and repr(opt).startswith("DPOptimizer(strategy=global")
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+                  torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)]
+    x, y = data[torch.arange(8)]
+    for i in range(3):
+        opt.zero_grad()
+        loss.per_example(model(x), y).sum().backward()
+        opt.step()
+        schedulers[0].step()
+        assert opt.original_optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** (i + 1))
+    schedulers[1].step(1.0)  # a held-out metric
+    schedulers[1].step(1.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3 * 0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = 0.0  # the inner step uses the scheduled rate: nothing moves at 0
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert all(torch.allclose(p, b, atol=1e-6) for p, b in zip(model.parameters(), before))
+    assert engine.accountant.steps == 4
+    twin = copy.deepcopy(opt)
+    assert type(twin) is type(opt) and twin.plan == opt.plan and twin.original_optimizer is not opt.original_optimizer

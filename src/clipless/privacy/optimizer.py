@@ -74,8 +74,12 @@ def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.T
     return changed
 
 
-class DPOptimizer(DeclaredConstants):
+class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
     """A private optimizer step around ``optimizer`` for the model covered by ``bound_engine``.
+
+    A ``torch.optim.Optimizer`` to torch's utilities (learning-rate schedulers, ``swa_utils.SWALR``), as in Opacus:
+    its ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's, so a schedule changes the learning
+    rate the inner step uses (a function of the step count or of held-out data: post-processing).
 
     The noise comes from ``plan`` (:func:`~clipless.privacy.calibration.plan_noise`, the one noise plan); the
     step refuses to run past ``plan.max_steps`` (the target epsilon) and refuses a gradient on any
@@ -380,6 +384,22 @@ class DPOptimizer(DeclaredConstants):
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         return self.original_optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.original_optimizer.state
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.original_optimizer.defaults
+
+    # torch.optim.Optimizer.__init__ is not run (the inner optimizer holds the groups and state), and its pickling
+    # (groups and state only) is not this object's: copies and pickles follow the plain object protocol
+    def __getstate__(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
