@@ -180,7 +180,7 @@ def test_a_data_loaders_worker_settings_are_kept_and_its_own_collate_is_refused(
         optimizer.step()
     assert optimizer.accountant.steps == 4  # one epoch: 4 Poisson batches at rate 16/64
     assert private(DataLoader(Files(), batch_size=16))[2].num_workers == 0
-    assert private(loader, batch_size=16.0)[2].num_workers == 2  # a Poisson loader given again (a model made private again)
+    assert private(loader, batch_size=16.0)[2].num_workers == 2  # a Poisson loader given again (made private again)
 
     def mixup(batch):
         x = torch.stack([b[0] for b in batch])

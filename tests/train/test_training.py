@@ -500,3 +500,18 @@ def test_data_loaders_are_taken_as_their_datasets_by_the_trainer_and_the_dpsgd_b
     with pytest.raises(ValueError, match="held-out|training data"):
         train_dpsgd(standard_mlp(shape, 3, hidden=[8]), train, batch_size=8, epochs=1, delta=1e-3, max_grad_norm=1.0,
                     noise_multiplier=1.0, test_data=DataLoader(train, batch_size=5), progress=False)
+
+
+def test_a_held_out_loaders_own_collate_is_not_refused():
+    """Held-out data is scored in batches of its own: a test ``DataLoader``'s collate (refused for training data, which
+    it could mix) is not used, so it is not refused either."""
+    from torch.utils.data import DataLoader
+
+    shape = (1, 4, 4)
+    train = cl.ArrayDataset(torch.rand(64, *shape) / 4, torch.randint(0, 3, (64,)))
+    test = cl.ArrayDataset(torch.rand(32, *shape) / 4, torch.randint(0, 3, (32,)))
+    model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
+    trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(), train,
+                                input_shape=shape, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0,
+                                progress=False, log=None, test_data=DataLoader(test, batch_size=5, collate_fn=list))
+    assert trainer.test_data is test

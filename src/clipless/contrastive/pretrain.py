@@ -245,7 +245,7 @@ class ContrastivePretrainer(DeclaredConstants):
         _check_loss(loss, tau)  # as given: float() would read True as 1
         _check_clip_norm(clip_norm, "C" if method == "naive_dp" else "B")
         pairs, loader_options = loader_parts(pairs)  # as make_private: Poisson batches over a loader's dataset
-        eval_pairs, _ = loader_parts(eval_pairs)
+        eval_pairs, _ = loader_parts(eval_pairs, training=False)
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise

@@ -20,8 +20,8 @@ from .distributed import (DistributedPoissonBatchSampler, check_distinct_on_all_
 from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
-from .sampling import (dataset_size, expected_batch_size, in_memory_records, poisson_data_loader, poisson_threshold,
-                       record_chunks, loader_parts)
+from .sampling import (dataset_size, expected_batch_size, in_memory_records, loader_parts, poisson_data_loader,
+                       poisson_threshold, record_chunks)
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records"]
 
@@ -64,11 +64,12 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
                           indices: Optional[Sequence[int]] = None, progress: bool = False) -> None:
     """Every record of ``data`` (of ``indices`` if given), checked as the private step checks a batch, before any
     step: its per-example shape, its dtype (float32 or float64), finite values, the data bound (training data) and
-    its label by the loss's own rule for the model's output shape.  A record that fails would otherwise stop the run at the step whose Poisson batch
-    first holds it: after a number of released steps that depends on that record, or never.  An in-memory dataset
-    is checked from its tensors; another is read once in order (:func:`~clipless.privacy.sampling.record_chunks`),
-    unless ``read=False`` (``progress``: with a bar).  A dataset whose records change from one read to the next (random transforms in
-    ``__getitem__``) is checked on the draws read here; the step checks its later draws."""
+    its label by the loss's own rule for the model's output shape.  A record that fails would otherwise stop the
+    run at the step whose Poisson batch first holds it: after a number of released steps that depends on that
+    record, or never.  An in-memory dataset is checked from its tensors; another is read once in order
+    (:func:`~clipless.privacy.sampling.record_chunks`; ``progress``: with a bar), unless ``read=False``.  A dataset
+    whose records change from one read to the next (random transforms in ``__getitem__``) is checked on the draws
+    read here; the step checks its later draws."""
     if data is None or (not read and in_memory_records(data) is None):
         return
     for inputs, labels in record_chunks(data, indices, progress=progress):

@@ -264,11 +264,12 @@ def worker_options(loader: DataLoader) -> Dict[str, Any]:
     return options
 
 
-def loader_parts(data: Any) -> Tuple[Any, Dict[str, Any]]:
+def loader_parts(data: Any, training: bool = True) -> Tuple[Any, Dict[str, Any]]:
     """``data`` as given, or a ``DataLoader``'s dataset and worker settings (:func:`worker_options`): a private run
-    draws its own Poisson batches from the dataset, and a held-out score reads it in batches of its own."""
+    draws its own Poisson batches from the dataset.  ``training=False`` (held-out data, scored in batches of its
+    own): the dataset alone, whatever its loader's settings."""
     if isinstance(data, DataLoader):
-        return data.dataset, worker_options(data)
+        return data.dataset, worker_options(data) if training else {}
     return data, {}
 
 

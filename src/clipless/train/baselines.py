@@ -130,7 +130,7 @@ def train_dpsgd(
     the next step would pass the target; ``extra["stopped_by_budget"]`` says whether it did).
     """
     train_data, loader_options = loader_parts(train_data)  # Poisson batches over a loader's dataset, its workers kept
-    test_data, _ = loader_parts(test_data)
+    test_data, _ = loader_parts(test_data, training=False)
     check_held_out(train_data, test_data)
     try:
         from ..extras import require

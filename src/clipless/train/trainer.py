@@ -125,7 +125,7 @@ class PrivateTrainer(DeclaredConstants):
             raise ValueError("give epochs or target_epsilon: training would never stop")
         n = dataset_size(train_data)
         check_delta(delta, n)
-        test_data, _ = loader_parts(test_data)  # scored in batches of its own
+        test_data, _ = loader_parts(test_data, training=False)  # scored in batches of its own
         check_held_out(train_data, test_data)
         batch_size = expected_batch_size(batch_size, n)
         self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
