@@ -515,3 +515,19 @@ def test_a_held_out_loaders_own_collate_is_not_refused():
                                 input_shape=shape, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0,
                                 progress=False, log=None, test_data=DataLoader(test, batch_size=5, collate_fn=list))
     assert trainer.test_data is test
+
+
+def test_evaluate_reads_a_data_loader_as_it_batches():
+    """``clipless.evaluate(model, DataLoader(...))`` failed with ``'DataLoader' object is not subscriptable``; it
+    now scores the loader's batches as it yields them (its own collate included), as the dataset would score."""
+    from torch.utils.data import DataLoader
+
+    shape = (1, 4, 4)
+    test = cl.ArrayDataset(torch.rand(33, *shape) / 4, torch.randint(0, 3, (33,)))
+    model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
+    loss = cl.TauCrossEntropy()
+    expected = cl.evaluate(model, test, loss)
+    for loader in (DataLoader(test, batch_size=5), DataLoader(test, batch_size=4, collate_fn=lambda b: (
+            torch.stack([r[0] for r in b]), torch.tensor([int(r[1]) for r in b])))):
+        got = cl.evaluate(model, loader, loss)
+        assert got["accuracy"] == expected["accuracy"] and got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
