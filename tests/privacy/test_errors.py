@@ -189,6 +189,20 @@ def test_a_data_loaders_worker_settings_are_kept_and_its_own_collate_is_refused(
     for collate in (mixup, lambda batch: torch.utils.data.default_collate(batch)):
         with pytest.raises(ValueError, match="the data loader has a collate_fn of its own .* may mix its records"):
             private(DataLoader(Files(), batch_size=16, collate_fn=collate))
+    # a sampler that chooses records (a train part of one dataset, class weights, a shard) would be dropped, and the
+    # records it leaves out (a validation part, say) trained on: refused; a plain or shuffled order chooses none
+    from torch.utils.data import BatchSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    for sampler in (SubsetRandomSampler(range(48)), WeightedRandomSampler(torch.ones(64), 64),
+                    DistributedSampler(Files(), num_replicas=2, rank=0)):
+        with pytest.raises(ValueError, match=f"the data loader's {type(sampler).__name__} chooses the records its "
+                                             "batches hold; make_private draws Poisson batches over every record"):
+            private(DataLoader(Files(), batch_size=16, sampler=sampler))
+    with pytest.raises(ValueError, match="the data loader's list chooses the records"):
+        private(DataLoader(Files(), batch_sampler=[[0, 1], [2, 3]]), batch_size=16.0)
+    private(DataLoader(Files(), batch_sampler=BatchSampler(SequentialSampler(range(64)), 16, False)), batch_size=16.0)
+    private(DataLoader(Files(), batch_size=16, shuffle=True))
 
 
 def test_the_read_of_the_records_shows_a_bar_on_a_terminal_only(capsys, monkeypatch):

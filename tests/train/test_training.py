@@ -515,6 +515,17 @@ def test_a_held_out_loaders_own_collate_is_not_refused():
                                 input_shape=shape, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0,
                                 progress=False, log=None, test_data=DataLoader(test, batch_size=5, collate_fn=list))
     assert trainer.test_data is test
+    # a held-out loader whose sampler picks part of its dataset would have all of it scored: refused
+    from torch.utils.data import SubsetRandomSampler
+
+    with pytest.raises(ValueError, match="SubsetRandomSampler chooses the records its batches hold; held-out data is "
+                                         "scored on every record"):
+        cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(), train,
+                          input_shape=shape, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0, progress=False,
+                          log=None, test_data=DataLoader(test, batch_size=5, sampler=SubsetRandomSampler(range(8))))
+    # evaluate reads a loader's own batches, so its sampler's part is what it scores
+    part = DataLoader(test, batch_size=5, sampler=SubsetRandomSampler(range(8)))
+    assert cl.evaluate(model, part) == cl.evaluate(model, torch.utils.data.Subset(test, range(8)))
 
 
 def test_evaluate_reads_a_data_loader_as_it_batches():

@@ -6,7 +6,8 @@ from fractions import Fraction
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset, TensorDataset
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler,
+                              SequentialSampler, Subset, TensorDataset)
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .input_guard import batch_row_digests
@@ -249,6 +250,10 @@ def worker_options(loader: DataLoader) -> Dict[str, Any]:
     """The worker settings of ``loader`` for its Poisson replacement; a collate function of its own is refused: it
     sees a whole batch and may mix its records (mixup, normalising by the batch's statistics), so that one record
     reaches every row and the per-example bound no longer holds for it."""
+    _check_sampler(loader, "make_private draws Poisson batches over every record of the loader's dataset (what "
+                           "the accountant composes): the records it leaves out would be trained on, and its weights "
+                           "ignored; give the records to train on as the dataset (torch.utils.data.Subset(dataset, "
+                           "indices))")
     collate = loader.collate_fn
     if isinstance(collate, BatchCollator):  # a Poisson loader's own (a model made private again)
         collate = collate.collate_fn
@@ -268,9 +273,26 @@ def loader_parts(data: Any, training: bool = True) -> Tuple[Any, Dict[str, Any]]
     """``data`` as given, or a ``DataLoader``'s dataset and worker settings (:func:`worker_options`): a private run
     draws its own Poisson batches from the dataset.  ``training=False`` (held-out data, scored in batches of its
     own): the dataset alone, whatever its loader's settings."""
-    if isinstance(data, DataLoader):
-        return data.dataset, worker_options(data) if training else {}
-    return data, {}
+    if not isinstance(data, DataLoader):
+        return data, {}
+    if training:
+        return data.dataset, worker_options(data)
+    _check_sampler(data, "held-out data is scored on every record of the loader's dataset: the records it leaves "
+                         "out would be scored too; give the records to score as the dataset "
+                         "(torch.utils.data.Subset(dataset, indices))")
+    return data.dataset, {}
+
+
+def _check_sampler(loader: DataLoader, consequence: str) -> None:
+    """Refuse a loader whose sampler chooses the records (a subset, weights, a shard) where the library reads the
+    whole dataset: a plain or shuffled order chooses none, and a Poisson loader's own sampler is the accounted one."""
+    if isinstance(loader, PoissonDataLoader):
+        return
+    batches = loader.batch_sampler
+    chooser = loader.sampler if batches is None else batches.sampler if type(batches) is BatchSampler else batches
+    if type(chooser) not in (SequentialSampler, RandomSampler):
+        raise ValueError(f"the data loader's {type(chooser).__name__} chooses the records its batches hold; "
+                         + consequence)
 
 
 class PoissonDataLoader(DataLoader):
