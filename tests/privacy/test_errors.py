@@ -201,6 +201,8 @@ def test_a_data_loaders_worker_settings_are_kept_and_its_own_collate_is_refused(
             private(DataLoader(Files(), batch_size=16, sampler=sampler))
     with pytest.raises(ValueError, match="the data loader's list chooses the records"):
         private(DataLoader(Files(), batch_sampler=[[0, 1], [2, 3]]), batch_size=16.0)
+    with pytest.raises(ValueError, match="the data loader's SequentialSampler chooses the records"):
+        private(DataLoader(Files(), batch_size=16, sampler=SequentialSampler(range(48))))  # the first 48 only
     private(DataLoader(Files(), batch_sampler=BatchSampler(SequentialSampler(range(64)), 16, False)), batch_size=16.0)
     private(DataLoader(Files(), batch_size=16, shuffle=True))
 
@@ -465,6 +467,9 @@ def test_an_iterable_dataset_is_refused_by_name(data) -> None:
                                         input_shape=SHAPE, batch_size=8.0)
     with pytest.raises(TypeError, match="map-style Dataset"):
         trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), Stream())
+    with pytest.raises(TypeError, match="map-style Dataset with a length .*Stream"):  # in a loader: the same refusal
+        trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0),
+                    torch.utils.data.DataLoader(Stream(), batch_size=8))
 
 
 @pytest.mark.parametrize("shape", [16, None, (0, 4, 4), (1, 4.0, 4), (True, 4, 4), ()])

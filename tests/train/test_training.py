@@ -493,6 +493,16 @@ def test_data_loaders_are_taken_as_their_datasets_by_the_trainer_and_the_dpsgd_b
                                 epochs=1, noise_multiplier=1.0, progress=False, log=None,
                                 test_data=DataLoader(test, batch_size=5))
     assert trainer.test_data is test and "test_accuracy" in trainer.fit().history[-1]
+    # a training loader counts its records, not its batches: the trainer's rate is the accounted one (it was
+    # 8 / len(loader) = 1, and one epoch of 8 steps was reported as 8 epochs)
+    assert trainer.train_data is train and trainer.sample_rate == trainer.optimizer.sample_rate == 8 / 64
+    assert trainer.accountant.steps == 8 and trainer.history[-1]["epoch"] == 1
+    # ... and its records are held out from the test data: the training data as test data is refused
+    model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match="test_data"):
+        cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(),
+                          DataLoader(train, batch_size=8), input_shape=shape, batch_size=8, delta=1e-3, epochs=1,
+                          noise_multiplier=1.0, progress=False, log=None, test_data=train)
     result = train_dpsgd(standard_mlp(shape, 3, hidden=[8]), DataLoader(train, batch_size=8, num_workers=2),
                          batch_size=8, epochs=1, delta=1e-3, max_grad_norm=1.0, noise_multiplier=1.0,
                          test_data=DataLoader(test, batch_size=5), progress=False)

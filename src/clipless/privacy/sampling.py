@@ -286,11 +286,13 @@ def loader_parts(data: Any, training: bool = True) -> Tuple[Any, Dict[str, Any]]
 def _check_sampler(loader: DataLoader, consequence: str) -> None:
     """Refuse a loader whose sampler chooses the records (a subset, weights, a shard) where the library reads the
     whole dataset: a plain or shuffled order chooses none, and a Poisson loader's own sampler is the accounted one."""
-    if isinstance(loader, PoissonDataLoader):
-        return
+    if isinstance(loader, PoissonDataLoader) or isinstance(loader.dataset, IterableDataset):
+        return  # a stream has no sampler; dataset_size refuses it
     batches = loader.batch_sampler
     chooser = loader.sampler if batches is None else batches.sampler if type(batches) is BatchSampler else batches
-    if type(chooser) not in (SequentialSampler, RandomSampler):
+    # an order over another source (SequentialSampler(range(k))) chooses records as a subset sampler does
+    plain = type(chooser) in (SequentialSampler, RandomSampler) and len(chooser.data_source) == len(loader.dataset)
+    if not plain:
         raise ValueError(f"the data loader's {type(chooser).__name__} chooses the records its batches hold; "
                          + consequence)
 

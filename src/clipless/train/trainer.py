@@ -93,7 +93,7 @@ class PrivateTrainer(DeclaredConstants):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         loss: LipschitzLoss,
-        train_data: Dataset,
+        train_data: Union[Dataset, DataLoader],
         *,
         input_shape: Any,
         batch_size: float,
@@ -123,12 +123,15 @@ class PrivateTrainer(DeclaredConstants):
             raise ValueError("give target_epsilon, noise_multiplier, or both")
         if epochs is None and target_epsilon is None:
             raise ValueError("give epochs or target_epsilon: training would never stop")
-        n = dataset_size(train_data)
+        # a loader stands for its dataset (its records, not its batches, are counted and held out); make_private
+        # keeps its worker settings
+        records, _ = loader_parts(train_data)
+        n = dataset_size(records)
         check_delta(delta, n)
         test_data, _ = loader_parts(test_data, training=False)  # scored in batches of its own
-        check_held_out(train_data, test_data)
+        check_held_out(records, test_data)
         batch_size = expected_batch_size(batch_size, n)
-        self.model, self.loss, self.train_data, self.test_data = model, loss, train_data, test_data
+        self.model, self.loss, self.train_data, self.test_data = model, loss, records, test_data
         self.delta, self.target_epsilon, self.strategy = delta, target_epsilon, strategy
         self.device, self.progress, self.log = device, progress, log
         self.noise_seed = noise_seed
