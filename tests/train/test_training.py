@@ -497,7 +497,13 @@ def test_data_loaders_are_taken_as_their_datasets_by_the_trainer_and_the_dpsgd_b
     # 8 / len(loader) = 1, and one epoch of 8 steps was reported as 8 epochs)
     assert trainer.train_data is train and trainer.sample_rate == trainer.optimizer.sample_rate == 8 / 64
     assert trainer.accountant.steps == 8 and trainer.history[-1]["epoch"] == 1
-    # ... and its records are held out from the test data: the training data as test data is refused
+    # ... and its records are held out from the test data: the training data as test data is refused (the shared
+    # check reads a loader's dataset too, for any caller)
+    from clipless.data.datasets import check_held_out
+
+    for pair in ((DataLoader(train, batch_size=8), train), (train, DataLoader(train, batch_size=3))):
+        with pytest.raises(ValueError, match="test_data is the training data"):
+            check_held_out(*pair)
     model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
     with pytest.raises(ValueError, match="test_data"):
         cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(),

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..privacy.certified import is_whole, whole_number
 
@@ -73,9 +73,11 @@ def check_held_out(train: Dataset, held_out: Optional[Dataset], what: str = "tes
     dataset: a score on it would be computed from training records without noise and published as a test score.
 
     Records equal in value but stored apart (a duplicate image in a real test split) are the held-out set's own.
+    A ``DataLoader`` stands for its dataset.
     """
     if held_out is None:
         return
+    train, held_out = (d.dataset if isinstance(d, DataLoader) else d for d in (train, held_out))
     if held_out is train:
         raise ValueError(f"{what} is the training data: its score would be released without noise; pass a "
                          "held-out split")
