@@ -558,3 +558,23 @@ def test_evaluate_reads_a_data_loader_as_it_batches():
             torch.stack([r[0] for r in b]), torch.tensor([int(r[1]) for r in b])))):
         got = cl.evaluate(model, loader, loss)
         assert got["accuracy"] == expected["accuracy"] and got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+def test_held_out_data_given_as_bare_tensors_is_refused_before_any_step():
+    """``test_data=(x, y)`` (or a tensor) was accepted and failed at the first epoch's evaluation, after its private
+    steps, with torch's "stack expects each tensor to be equal size"; it is refused by name when the run is built,
+    by the trainer and the DP-SGD baseline alike."""
+    from clipless.train.baselines import standard_mlp, train_dpsgd
+
+    shape = (1, 4, 4)
+    train = cl.ArrayDataset(torch.rand(64, *shape) / 4, torch.randint(0, 3, (64,)))
+    x, y = torch.rand(32, *shape) / 4, torch.randint(0, 3, (32,))
+    for bare, kind in (((x, y), "a tuple of tensors"), (x, "a tensor")):
+        model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
+        with pytest.raises(TypeError, match=f"map-style Dataset of \\(input, label\\) records, got {kind}: wrap"):
+            cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(), train,
+                              input_shape=shape, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0,
+                              progress=False, log=None, test_data=bare)
+        with pytest.raises(TypeError, match=f"got {kind}: wrap"):
+            train_dpsgd(standard_mlp(shape, 3, hidden=[8]), train, batch_size=8, epochs=1, delta=1e-3,
+                        max_grad_norm=1.0, noise_multiplier=1.0, test_data=bare, progress=False)

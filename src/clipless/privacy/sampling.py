@@ -272,15 +272,20 @@ def worker_options(loader: DataLoader) -> Dict[str, Any]:
 def loader_parts(data: Any, training: bool = True) -> Tuple[Any, Dict[str, Any]]:
     """``data`` as given, or a ``DataLoader``'s dataset and worker settings (:func:`worker_options`): a private run
     draws its own Poisson batches from the dataset.  ``training=False`` (held-out data, scored in batches of its
-    own): the dataset alone, whatever its loader's settings."""
-    if not isinstance(data, DataLoader):
-        return data, {}
-    if training:
-        return data.dataset, worker_options(data)
-    _check_sampler(data, "held-out data is scored on every record of the loader's dataset: the records it leaves "
-                         "out would be scored too; give the records to score as the dataset "
-                         "(torch.utils.data.Subset(dataset, indices))")
-    return data.dataset, {}
+    own): the dataset alone, whatever its loader's settings.  Bare tensors and streams are refused by name
+    (:func:`dataset_size`), before anything runs."""
+    dataset, options = data, {}
+    if isinstance(data, DataLoader):
+        dataset = data.dataset
+        if training:
+            options = worker_options(data)
+        else:
+            _check_sampler(data, "held-out data is scored on every record of the loader's dataset: the records it "
+                                 "leaves out would be scored too; give the records to score as the dataset "
+                                 "(torch.utils.data.Subset(dataset, indices))")
+    if dataset is not None:
+        dataset_size(dataset)
+    return dataset, options
 
 
 def _check_sampler(loader: DataLoader, consequence: str) -> None:
