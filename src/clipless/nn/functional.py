@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from ..privacy.certified import (
-    is_real,
     CERT_MARGIN,
     BoundError,
     CertifiedValueCache,
@@ -17,6 +16,7 @@ from ..privacy.certified import (
     certified_bjorck_step,
     certified_norm,
     certified_spectral_norm,
+    is_real,
 )
 from ..privacy.modules import LayerBound
 

@@ -14,10 +14,9 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from ..privacy.certified import BoundError
+from ..privacy.certified import BoundError, whole_number
 from ..privacy.modules import LipschitzLoss
 from ..privacy.accounting import check_positive_finite
-from ..privacy.certified import whole_number
 from .functional import finite_at_least
 
 __all__ = [
