@@ -1123,6 +1123,33 @@ def test_held_out_pairs_of_another_kind_are_refused_by_name() -> None:
         _trainer("logit_dp", eval_pairs=data.test)
 
 
+def test_pairs_the_encoder_cannot_take_are_refused_by_name() -> None:
+    """Float64 views with a float32 encoder failed with torch's "mat1 and mat2 must have the same dtype": the
+    training pairs at the first step, ``eval_pairs`` at the first held-out loss, after the first epoch's private
+    steps. Both are named at construction, for in-memory pairs and pairs read through ``__getitem__``."""
+    from torch.utils.data import Dataset
+
+    from clipless.contrastive import GivenPairs
+
+    data, pairs = _digits_pairs()
+    xa, xb = pairs.gather(list(range(len(pairs))))
+
+    class Read(Dataset):  # pairs made in __getitem__, read once by the record check
+        def __len__(self):
+            return xa.shape[0]
+
+        def __getitem__(self, i):
+            return xa[i].double(), xb[i].double()
+
+    for wide in (GivenPairs(xa.double(), xb.double()), Read()):
+        with pytest.raises(ValueError, match=r"the training pairs: records of dtype torch.float64, the model's "
+                                             r"weights torch.float32"):
+            _trainer("logit_dp", pairs=wide)
+    with pytest.raises(ValueError, match=r"eval_pairs: records of dtype torch.float64, the model's weights "
+                                         r"torch.float32"):
+        _trainer("logit_dp", eval_pairs=GivenPairs(xa[:16].double(), xb[:16].double()))
+
+
 def test_a_directory_as_the_pretraining_checkpoint_is_refused_before_training(tmp_path) -> None:
     """It trained a whole epoch, then died on the first write ("Is a directory")."""
     with pytest.raises(ValueError, match="is a directory: give a file in it"):

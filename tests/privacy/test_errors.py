@@ -302,7 +302,20 @@ def test_make_private_reads_every_record_of_a_dataset_not_in_memory_before_any_s
             with pytest.raises(ValueError, match=f"the training data: records of dtype {dtype}; the private step "
                                                  "takes float32 or float64 inputs"):
                 private(dataset)
-    private(Files(x.double(), y))  # float64 records pass the read (a float64 model takes them)
+    # float64 records and a float32 model: refused by name here, not by torch's dtype error at the first batch
+    for dataset in (Files(x.double(), y), cl.ArrayDataset(x.double(), y)):
+        with pytest.raises(ValueError, match=r"the training data: records of dtype torch.float64, the model's weights "
+                                             r"torch.float32, and the model's forward refuses them \(.*\); convert"):
+            private(dataset)
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=None).double()
+    for dataset in (Files(x.double(), y), Files(x, y)):  # a float64 model takes float64 records, not float32 ones
+        try:
+            cl.PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=dataset,
+                loss=cl.TauCrossEntropy(), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0, input_bound=1.0)
+            assert dataset.inputs.dtype == torch.float64
+        except ValueError as err:
+            assert dataset.inputs.dtype == torch.float32 and "the model's weights torch.float64" in str(err)
     # check_records=False: no read ahead; the step refuses the record when a batch holds it
     reads.clear()
     private(Files(*changed(37, value=x[37] * 8)), check_records=False)

@@ -560,6 +560,31 @@ def test_evaluate_reads_a_data_loader_as_it_batches():
         assert got["accuracy"] == expected["accuracy"] and got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
 
 
+def test_held_out_records_the_model_cannot_take_are_refused_before_any_step(tmp_path):
+    """Float64 test records with a float32 model passed the trainer's checks and failed with torch's "expected m1
+    and m2 to have the same dtype" at the first epoch's evaluation, after that epoch's private steps (and its
+    checkpoint); they are refused by name when the run is built, and the probe leaves the model's modes as they were."""
+    shape = (1, 4, 4)
+    train = cl.ArrayDataset(torch.rand(64, *shape) / 4, torch.randint(0, 3, (64,)))
+    x, y = torch.rand(32, *shape) / 4, torch.randint(0, 3, (32,))
+    model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
+    checkpoint = tmp_path / "run.pt"
+
+    def trainer(test_data):
+        return cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(), train,
+                                 input_shape=shape, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0,
+                                 progress=False, log=None, test_data=test_data, checkpoint_path=checkpoint)
+
+    with pytest.raises(ValueError, match=r"test_data: records of dtype torch.float64, the model's weights "
+                                         r"torch.float32, and the model's forward refuses them"):
+        trainer(cl.ArrayDataset(x.double(), y))
+    assert not checkpoint.exists() and model.training
+    model[-1].eval()  # modes of its own are kept by the probe
+    run = trainer(cl.ArrayDataset(x, y))
+    assert not model[-1].training and model[0].training
+    assert run.fit().steps > 0
+
+
 def test_held_out_data_given_as_bare_tensors_is_refused_before_any_step():
     """``test_data=(x, y)`` (or a tensor) was accepted and failed at the first epoch's evaluation, after its private
     steps, with torch's "stack expects each tensor to be equal size"; it is refused by name when the run is built,

@@ -31,6 +31,7 @@ from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.input_guard import all_finite
+from ..privacy.privacy_engine import check_model_takes
 from ..privacy.sampling import expected_batch_size, loader_parts, poisson_data_loader, record_chunks
 from ..train.checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                                 fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
@@ -127,9 +128,10 @@ def _check_no_running_statistics(encoder: nn.Module) -> None:
                              "normalization (LayerNorm, GroupNorm)")
 
 
-def _check_pair_dataset(pairs: Optional[Dataset], what: str) -> None:
+def _check_pair_dataset(pairs: Optional[Dataset], what: str, encoder: Optional[nn.Module] = None) -> None:
     """Each record of ``pairs`` is a positive pair ``(xa, xb)`` of two views of one shape (a labelled dataset's
-    ``(x, y)`` is not): read from its first record, so a held-out set of another kind is named before training."""
+    ``(x, y)`` is not), of a dtype the ``encoder`` takes: read from its first record, so a held-out set of another
+    kind is named before training, not after the first epoch's private steps."""
     if pairs is None:
         return
     if len(pairs) == 0:  # type: ignore[arg-type]
@@ -141,20 +143,23 @@ def _check_pair_dataset(pairs: Optional[Dataset], what: str) -> None:
                  if isinstance(first, (tuple, list)) else type(first).__name__)
         raise ValueError(f"{what} must hold positive pairs (xa, xb), two views of one shape (e.g. AugmentedPairs of "
                          f"held-out images), got records of {kinds}")
+    if encoder is not None:
+        check_model_takes(encoder, first[0].dtype, tuple(first[0].shape), what)
 
 
-def _check_pair_records(pairs: Dataset) -> None:
+def _check_pair_records(pairs: Dataset, encoder: nn.Module) -> None:
     """Every pair a private step could draw, checked before any step as the step checks its batch (finite views, one
-    shape for every view): a bad pair would otherwise stop the run at the step whose secret Poisson batch first
-    holds it.  A dataset that declares the tensors it draws its views from (``record_tensors()``: the crops, blurs
-    and pixel noise of :class:`AugmentedPairs` are finite for finite images) is checked from them; any other is read
-    once, in order."""
+    shape for every view, a dtype the encoder takes): a bad pair would otherwise stop the run at the step whose
+    secret Poisson batch first holds it.  A dataset that declares the tensors it draws its views from
+    (``record_tensors()``: the crops, blurs and pixel noise of :class:`AugmentedPairs` are finite for finite images
+    and keep their shape and dtype) is checked from them; any other is read once, in order."""
     own = getattr(pairs, "record_tensors", None)
     if callable(own):
         for tensor in own():
             check_finite(tensor, "the training pairs' data")
+            check_model_takes(encoder, tensor.dtype, tuple(tensor.shape[1:]), "the training pairs")
         return
-    _check_pair_dataset(pairs, "pairs")
+    _check_pair_dataset(pairs, "the training pairs", encoder)
     shape = None
     try:
         for xa, xb in record_chunks(pairs):
@@ -249,7 +254,7 @@ class ContrastivePretrainer(DeclaredConstants):
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
-        _check_pair_dataset(eval_pairs, "eval_pairs")
+        _check_pair_dataset(eval_pairs, "eval_pairs", encoder)
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
@@ -269,7 +274,7 @@ class ContrastivePretrainer(DeclaredConstants):
         sensitivity: Optional[float] = None
         if method != "nonprivate":
             _check_no_running_statistics(encoder)
-            _check_pair_records(pairs)
+            _check_pair_records(pairs, encoder)
             if delta is None:
                 raise ValueError("a private method needs delta")
             check_delta(delta, n)

@@ -23,7 +23,7 @@ from .optimizer import DPOptimizer
 from .sampling import (dataset_size, expected_batch_size, in_memory_records, loader_parts, poisson_data_loader,
                        poisson_threshold, record_chunks)
 
-__all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records"]
+__all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records", "check_model_takes"]
 
 
 def first_leaf(model: nn.Module) -> nn.Module:
@@ -59,11 +59,34 @@ def resolve_input_bound(model: nn.Module, input_bound: Optional[float]) -> Tuple
 
 
 @torch.no_grad()
+def check_model_takes(model: nn.Module, dtype: torch.dtype, input_shape: Tuple[int, ...], what: str) -> None:
+    """The model's forward takes records of ``dtype``: one record of zeros (no data) goes through it, so that
+    float64 records and a float32 model (or the reverse) are refused by name before any step, not by torch's
+    dtype error at the first Poisson batch or at the first evaluation, after released steps."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()  # a running statistic (a wing's encoder may hold one) must not take the probe in
+    try:
+        model(torch.zeros((1, *input_shape), dtype=dtype, device=device))
+    except RuntimeError as exc:
+        weights = "" if param is None else f", the model's weights {param.dtype}"
+        raise ValueError(f"{what}: records of dtype {dtype}{weights}, and the model's forward refuses them ({exc}); "
+                         "convert one to the other's dtype, e.g. x.float() for the records or model.double() "
+                         "for the model") from exc
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+@torch.no_grad()
 def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLoss, input_shape: Tuple[int, ...],
                           output_shape: Tuple[int, ...], data_bound: Optional[float] = None, read: bool = True,
-                          indices: Optional[Sequence[int]] = None, progress: bool = False) -> None:
+                          indices: Optional[Sequence[int]] = None, progress: bool = False,
+                          model: Optional[nn.Module] = None) -> None:
     """Every record of ``data`` (of ``indices`` if given), checked as the private step checks a batch, before any
-    step: its per-example shape, its dtype (float32 or float64), finite values, the data bound (training data) and
+    step: its per-example shape, its dtype (float32 or float64, and one ``model``'s forward takes:
+    :func:`check_model_takes`), finite values, the data bound (training data) and
     its label by the loss's own rule for the model's output shape.  A record that fails would otherwise stop the
     run at the step whose Poisson batch first holds it: after a number of released steps that depends on that
     record, or never.  An in-memory dataset is checked from its tensors; another is read once in order
@@ -72,6 +95,7 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
     read here; the step checks its later draws."""
     if data is None or (not read and in_memory_records(data) is None):
         return
+    taken = set()
     for inputs, labels in record_chunks(data, indices, progress=progress):
         if tuple(inputs.shape[1:]) != tuple(input_shape):
             raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's "
@@ -80,6 +104,9 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
             raise ValueError(f"{what}: records of dtype {inputs.dtype}; the private step takes float32 or float64 "
                              "inputs (the bounds are certified for that arithmetic): convert them first, e.g. "
                              "x.float() / 255 for 8-bit pixels")
+        if model is not None and inputs.dtype not in taken:
+            check_model_takes(model, inputs.dtype, tuple(input_shape), what)
+            taken.add(inputs.dtype)
         if not all_finite(inputs):
             raise ValueError(f"{what} contains NaN or infinite values; clean the data before private training")
         if data_bound is not None and above_data_bound(inputs, data_bound):
@@ -173,10 +200,11 @@ class PrivacyEngine(DeclaredConstants):
         Each step must release exactly one new batch of ``poisson_loader``; ``external_batches=True`` lifts
         that check for a loop that draws Poisson batches at rate ``batch_size / len(data)`` by other means
         (the accountant assumes it does; nothing can check it).  Every record of ``data`` is checked first, by
-        the step's own rules (:func:`check_dataset_records`): a dataset that is not in memory is read once for it
-        (on each rank, its own shard), unless ``check_records=False``; its records are then checked only when a
-        batch holds them, and a bad one stops the run at a step that depends on the secret sampling.  ``progress``:
-        a bar while that read runs (default: on a terminal, on rank 0).
+        the step's own rules and, but for external batches, against the model's forward
+        (:func:`check_dataset_records`): a dataset that is not in memory is read once for it (on each rank, its own
+        shard), unless ``check_records=False``; its records are then checked only when a batch holds them, and a
+        bad one stops the run at a step that depends on the secret sampling.  ``progress``: a bar while that read
+        runs (default: on a terminal, on rank 0).
         """
         self.check_accountant()
         if not isinstance(loss, LipschitzLoss):
@@ -230,16 +258,17 @@ class PrivacyEngine(DeclaredConstants):
         poisson_threshold(sample_rate)  # refuses a rate the sampler cannot realise, before anything runs
         x0, data_bound = resolve_input_bound(module, input_bound)
         engine = BoundEngine(module, input_shape, x0, loss)
+        probe = None if external_batches else module  # the records reach the model only through the Poisson loader
         if distributed:  # each rank reads its own shard; a refusal on one is a refusal on all (no rank left waiting)
             same_outcome_on_all_ranks(lambda: check_dataset_records(
                 dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound,
-                read=check_records, indices=range(rank, n, world_size), progress=progress),
+                read=check_records, indices=range(rank, n, world_size), progress=progress, model=probe),
                 device=next((p.device for p in module.parameters()), torch.device("cpu")),  # NCCL: CUDA tensors only
                 refused="refused a record of their shard of the training data (their error says which check): no "
                         "rank goes on; clean the data")
         else:
             check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape,
-                                  data_bound, read=check_records, progress=progress)
+                                  data_bound, read=check_records, progress=progress, model=probe)
         steps_per_epoch = max(1, round(1.0 / sample_rate))
         plan = plan_noise(
             engine.compute(),

@@ -167,7 +167,7 @@ class PrivateTrainer(DeclaredConstants):
         # the training records were checked by make_private; held-out ones are evaluated without gradients (and a
         # bad one stops no private step), so only an in-memory test set, checked from its tensors, is checked here
         check_dataset_records(test_data, "test_data", loss, self.optimizer.bound_engine.input_shape,
-                              self.optimizer.bound_engine.output_shape, read=False)
+                              self.optimizer.bound_engine.output_shape, read=False, model=self.model)
         # Augmentation multiplicity: K augmented rows per example, each loss weighted 1/K (make_private).
         self.augmentation_multiplicity = augmentation_multiplicity
         if augmentation_multiplicity > 1 and augment is None:
