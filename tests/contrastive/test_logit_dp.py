@@ -1150,6 +1150,37 @@ def test_pairs_the_encoder_cannot_take_are_refused_by_name() -> None:
         _trainer("logit_dp", eval_pairs=GivenPairs(xa[:16].double(), xb[:16].double()))
 
 
+def test_held_out_pairs_are_read_and_checked_before_training() -> None:
+    """Held-out pairs read through ``__getitem__`` were checked on their first record only: a NaN view made every
+    logged held-out loss NaN, and views of another shape stopped the run at the first held-out loss, after the first
+    epoch's private steps. They are read once and checked as the training pairs are, before any step."""
+    from torch.utils.data import Dataset
+
+    data, _ = _digits_pairs()
+    views = data.test.features[:40].clone()
+
+    class Read(Dataset):
+        def __init__(self, bad=None):
+            self.bad = bad
+
+        def __len__(self):
+            return views.shape[0]
+
+        def __getitem__(self, i):
+            if i == 25 and self.bad == "nan":
+                return views[i] * float("nan"), views[i]
+            if i == 25 and self.bad == "shape":
+                return views[i, :, :4], views[i, :, :4]
+            return views[i], views[i]
+
+    for method in ("logit_dp", "nonprivate"):
+        with pytest.raises(ValueError, match="eval_pairs contain NaN or infinite values"):
+            _trainer(method, eval_pairs=Read("nan"))
+        with pytest.raises(ValueError, match="eval_pairs cannot be read into batches"):
+            _trainer(method, eval_pairs=Read("shape"))
+    _trainer("logit_dp", eval_pairs=Read())
+
+
 def test_a_directory_as_the_pretraining_checkpoint_is_refused_before_training(tmp_path) -> None:
     """It trained a whole epoch, then died on the first write ("Is a directory")."""
     with pytest.raises(ValueError, match="is a directory: give a file in it"):

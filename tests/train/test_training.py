@@ -560,6 +560,44 @@ def test_evaluate_reads_a_data_loader_as_it_batches():
         assert got["accuracy"] == expected["accuracy"] and got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
 
 
+def test_held_out_records_read_from_files_are_checked_before_any_step():
+    """A test set that is not in memory was not checked: a NaN or a record of another shape stopped the run at the
+    first evaluation, after an epoch of private steps, and a label out of range gave a silently wrong accuracy. It
+    is read once when the run is built, as the training data is (``check_records=False`` skips both reads)."""
+    from torch.utils.data import Dataset
+
+    shape = (1, 4, 4)
+    train = cl.ArrayDataset(torch.rand(64, *shape) / 4, torch.randint(0, 3, (64,)))
+
+    class Files(Dataset):
+        def __init__(self, inputs, labels):
+            self.inputs, self.labels = inputs, labels
+
+        def __len__(self):
+            return len(self.labels)
+
+        def __getitem__(self, i):
+            return self.inputs[i].clone(), int(self.labels[i])
+
+    def trainer(test_data, **kwargs):
+        model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
+        return cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(), train,
+                                 input_shape=shape, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0,
+                                 progress=False, log=None, test_data=test_data, **kwargs)
+
+    x, y = torch.rand(32, *shape) / 4, torch.randint(0, 3, (32,))
+    nan, label = x.clone(), y.clone()
+    nan[20, 0, 1, 2], label[30] = float("nan"), 3
+    with pytest.raises(ValueError, match="test_data contains NaN or infinite values"):
+        trainer(Files(nan, y))
+    with pytest.raises(ValueError, match=r"test_data: labels must be class indices in \[0, 3\)"):
+        trainer(Files(x, label))
+    with pytest.raises(ValueError, match=r"test_data: records of per-example shape \(1, 5, 4\)"):
+        trainer(Files(torch.rand(32, 1, 5, 4) / 4, y))
+    assert trainer(Files(x, y)).fit().steps > 0
+    trainer(Files(x, label), check_records=False)  # not read: the evaluation meets it
+
+
 def test_held_out_records_the_model_cannot_take_are_refused_before_any_step(tmp_path):
     """Float64 test records with a float32 model passed the trainer's checks and failed with torch's "expected m1
     and m2 to have the same dtype" at the first epoch's evaluation, after that epoch's private steps (and its

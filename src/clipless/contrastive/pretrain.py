@@ -147,32 +147,33 @@ def _check_pair_dataset(pairs: Optional[Dataset], what: str, encoder: Optional[n
         check_model_takes(encoder, first[0].dtype, tuple(first[0].shape), what)
 
 
-def _check_pair_records(pairs: Dataset, encoder: nn.Module) -> None:
+def _check_pair_records(pairs: Dataset, encoder: nn.Module, what: str = "the training pairs") -> None:
     """Every pair a private step could draw, checked before any step as the step checks its batch (finite views, one
     shape for every view, a dtype the encoder takes): a bad pair would otherwise stop the run at the step whose
     secret Poisson batch first holds it.  A dataset that declares the tensors it draws its views from
     (``record_tensors()``: the crops, blurs and pixel noise of :class:`AugmentedPairs` are finite for finite images
-    and keep their shape and dtype) is checked from them; any other is read once, in order."""
+    and keep their shape and dtype) is checked from them; any other is read once, in order.  Held-out pairs
+    (``what="eval_pairs"``) alike: a bad one would stop the run at the first held-out loss, after an epoch of
+    private steps, or make that loss NaN."""
     own = getattr(pairs, "record_tensors", None)
     if callable(own):
         for tensor in own():
-            check_finite(tensor, "the training pairs' data")
-            check_model_takes(encoder, tensor.dtype, tuple(tensor.shape[1:]), "the training pairs")
+            check_finite(tensor, f"{what}' data")
+            check_model_takes(encoder, tensor.dtype, tuple(tensor.shape[1:]), what)
         return
-    _check_pair_dataset(pairs, "the training pairs", encoder)
+    _check_pair_dataset(pairs, what, encoder)
     shape = None
     try:
         for xa, xb in record_chunks(pairs):
             if xa.shape[1:] != xb.shape[1:] or shape not in (None, xa.shape[1:]):
-                raise ValueError("the training pairs hold views of different per-example shapes "
+                raise ValueError(f"{what} hold views of different per-example shapes "
                                  f"({tuple(xa.shape[1:])}, {tuple(xb.shape[1:])}"
                                  + ("" if shape is None else f", {tuple(shape)}") + "): every view must have one shape")
             shape = xa.shape[1:]
             if not (all_finite(xa) and all_finite(xb)):
-                raise ValueError("the training pairs contain NaN or infinite values; clean the data before private "
-                                 "training")
+                raise ValueError(f"{what} contain NaN or infinite values; clean the data before private training")
     except RuntimeError as err:  # the collate of records of different shapes
-        raise ValueError(f"the training pairs cannot be read into batches: {err}") from None
+        raise ValueError(f"{what} cannot be read into batches: {err}") from None
 
 
 def _check_state_unchanged(encoder: nn.Module, before: Dict[str, torch.Tensor]) -> None:
@@ -254,7 +255,9 @@ class ContrastivePretrainer(DeclaredConstants):
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
-        _check_pair_dataset(eval_pairs, "eval_pairs", encoder)
+        if eval_pairs is not None:
+            _check_pair_dataset(eval_pairs, "eval_pairs")  # of the right kind first: a labelled set holds tensors too
+            _check_pair_records(eval_pairs, encoder, "eval_pairs")
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed

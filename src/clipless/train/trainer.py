@@ -78,8 +78,9 @@ class PrivateTrainer(DeclaredConstants):
     history, labelled ``nonprivate_*``: they are computed without noise.
     ``tightness_monitor`` checks true per-example gradients against the bounds
     during training and stops with :class:`~clipless.BoundError` if one exceeds them.
-    Every training record is checked before any step (``make_private``'s ``check_records``: ``False`` skips the
-    read of a dataset that is not in memory, whose bad records then stop the run where a batch first holds them).
+    Every training and test record is checked before any step (``make_private``'s ``check_records``: ``False``
+    skips the read of a dataset that is not in memory, whose bad records then stop the run where a batch or the
+    first evaluation meets them).
     """
 
     # What its epsilon, its privacy label and its test score are computed from: set once (a changed delta would
@@ -164,10 +165,10 @@ class PrivateTrainer(DeclaredConstants):
             check_records=check_records,
             progress=progress,
         )
-        # the training records were checked by make_private; held-out ones are evaluated without gradients (and a
-        # bad one stops no private step), so only an in-memory test set, checked from its tensors, is checked here
+        # the training records were checked by make_private; a bad held-out record would stop the run at the first
+        # evaluation, after an epoch of private steps, or (a label out of range) make its accuracy silently wrong
         check_dataset_records(test_data, "test_data", loss, self.optimizer.bound_engine.input_shape,
-                              self.optimizer.bound_engine.output_shape, read=False, model=self.model)
+                              self.optimizer.bound_engine.output_shape, read=check_records, model=self.model)
         # Augmentation multiplicity: K augmented rows per example, each loss weighted 1/K (make_private).
         self.augmentation_multiplicity = augmentation_multiplicity
         if augmentation_multiplicity > 1 and augment is None:
