@@ -269,7 +269,8 @@ def test_train_writes_a_training_curve_of_private_quantities_only(tmp_path, monk
     png = (tmp_path / "run" / "training.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     history = result["history"]
-    assert "nonprivate_train_accuracy" in history[0]
+    assert "nonprivate_train_accuracy" in history[0] and "nonprivate_epoch_time_s" in history[0]
+    assert result["nonprivate_wall_time_s"] > 0
     assert plotted == [("test accuracy (held out)", [row["test_accuracy"] for row in history]),
                        ("epsilon", [row["epsilon"] for row in history])]
 

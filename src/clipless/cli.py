@@ -802,7 +802,8 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
         outcome = train_dpsgd(model, data.train, delta=config["delta"], max_grad_norm=config["max_grad_norm"],
                               target_epsilon=config["epsilon"],  # with a fixed sigma: where the steps stop
                               noise_multiplier=config["noise_multiplier"], accountant=config["accountant"],
-                              noise_seed=config["noise_seed"], **common)
+                              noise_seed=config["noise_seed"], log_train_stats=bool(config["log_train_stats"]),
+                              **common)
     else:
         outcome = train_nonprivate(model, data.train, **common)
     result = outcome.to_dict()
@@ -1027,6 +1028,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.distributed.destroy_process_group()
 
 
+def _timing(result: Dict[str, Any]) -> str:
+    """The run's wall-clock time where it is in the result (``--log-train-stats``, or a non-private run)."""
+    wall = result.get("nonprivate_wall_time_s")
+    if wall is None:
+        return ""
+    return f", {wall:.1f}s" + (" (non-private timing)" if result.get("epsilon") is not None else "")
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         config = resolve_config(args)
@@ -1041,7 +1050,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         print(
             f"{result['dataset']} [{config['method']}]: test accuracy {acc:.4f}, {privacy}, "
-            f"{result['steps']} steps, {result['wall_time_s']:.1f}s; {_privacy_status(result)}; "
+            f"{result['steps']} steps{_timing(result)}; {_privacy_status(result)}; "
             f"result in {Path(config['output_dir']) / 'result.json'}"
         )
     elif args.command == "export":
@@ -1065,8 +1074,8 @@ def _run(args: argparse.Namespace) -> int:
               f"{result['knn3_accuracy']:.4f}, linear probe {result['linear_probe_accuracy']:.4f}"
               + "".join(f", probe with {k} labels/class {result[f'probe_{k}_per_class']:.4f}"
                         for k in args.probe_labels) + ", held-out loss "
-              f"{losses[0]:.4f} -> {losses[-1]:.4f}, {privacy}, {result['steps']} steps, "
-              f"{result['wall_time_s']:.1f}s; {_privacy_status(result)}; "
+              f"{losses[0]:.4f} -> {losses[-1]:.4f}, {privacy}, {result['steps']} steps"
+              f"{_timing(result)}; {_privacy_status(result)}; "
               f"result in {Path(args.output_dir) / 'result.json'}")
     elif args.command == "kl-study":
         from .kl.study import KLStudyConfig, format_summary, main_kl_study

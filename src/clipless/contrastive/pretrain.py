@@ -109,7 +109,7 @@ class PretrainResult:
     private: bool
     randomness: str
     privacy_note: str
-    wall_time_s: float
+    nonprivate_wall_time_s: Optional[float]  # only with log_train_stats: it grows with the secret batch sizes
     history: List[Dict[str, float]] = field(default_factory=list)
     cross_term: Optional[str] = None  # how Logit-DP's pair norms were formed (exact, or a Cauchy-Schwarz bound)
     stopped_by_budget: bool = False  # a fixed sigma with a target: the budget ended the run before its epochs
@@ -470,7 +470,8 @@ class ContrastivePretrainer(DeclaredConstants):
             accountant=self.accountant.mechanism if self.accountant else None,
             **(randomness_label(self.noise_seed) if self.accountant else
                {"private": False, "randomness": "n/a", "privacy_note": "non-private baseline: no guarantee"}),
-            wall_time_s=self._wall, history=list(self.history),
+            nonprivate_wall_time_s=self._wall if self.log_train_stats or self.accountant is None else None,
+            history=list(self.history),
             cross_term=self.cross_term if self.method == "logit_dp" else None,
             stopped_by_budget=bool(self.plan is not None and self.plan.budget_limited and self._budget_spent()),
         )
@@ -505,7 +506,8 @@ class ContrastivePretrainer(DeclaredConstants):
             "config": {**self._privacy_config(), "train_data": keyed_fingerprint(self._data_fingerprint,
                                                                                  fingerprint_key_for(path))},
             "steps": self.steps, "epoch": self.epoch, "history": self.history,
-            "wall": self._wall, "noise_rng": saved_generator_state(self.noise_generator),
+            "wall": self._wall if self.log_train_stats else None,  # grows with the secret batch sizes
+            "noise_rng": saved_generator_state(self.noise_generator),
             "sampling_rng": sampling_rng,
             "pairs": self.pairs.state_dict() if keep_pairs else None,  # type: ignore[attr-defined]
         }
@@ -536,7 +538,8 @@ class ContrastivePretrainer(DeclaredConstants):
             self._released = snapshot_state(self.encoder.state_dict())
             self._released_optimizer = self._snapshot_optimizer()
             self.accountant.load_state_dict(state["accountant"])
-        self.steps, self.epoch, self.history, self._wall = state["steps"], state["epoch"], state["history"], state["wall"]
+        self.steps, self.epoch, self.history = state["steps"], state["epoch"], state["history"]
+        self._wall = state.get("wall") or 0.0  # kept only where asked for
         resume_generator(self.noise_generator, state["noise_rng"])
         resume_generator(self.loader.batch_sampler.generator, state["sampling_rng"])  # type: ignore[union-attr]
         if state.get("pairs") is not None and hasattr(self.pairs, "load_state_dict"):

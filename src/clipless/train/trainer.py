@@ -39,7 +39,8 @@ __all__ = ["PrivateTrainer", "TrainResult"]
 @dataclass
 class TrainResult:
     """What a run releases.  Everything here is covered by the guarantee or measured on the test split,
-    except the ``nonprivate_*`` history entries, present only when asked for (``log_train_stats``)."""
+    except the ``nonprivate_*`` entries, present only when asked for (``log_train_stats``): among them the
+    wall-clock times, which grow with the realised (secret) Poisson batch sizes."""
 
     test_accuracy: Optional[float]
     epsilon: float
@@ -56,7 +57,7 @@ class TrainResult:
     private: bool
     randomness: str
     privacy_note: str
-    wall_time_s: float
+    nonprivate_wall_time_s: Optional[float]
     stopped_by_budget: bool
     history: List[Dict[str, float]] = field(default_factory=list)
 
@@ -288,7 +289,8 @@ class PrivateTrainer(DeclaredConstants):
             self._wall += time.perf_counter() - start
             self.epoch += 1
             row = {"epoch": self.epoch, "steps": self.steps, **stats, "epsilon": self.epsilon()}
-            row["epoch_time_s"] = time.perf_counter() - start
+            if self.log_train_stats:  # a timing side channel: the time grows with the secret batch sizes
+                row["nonprivate_epoch_time_s"] = time.perf_counter() - start
             if self.log_train_stats and self.tightness_monitor is not None and self.tightness_monitor.worst:
                 row["nonprivate_max_tightness"] = max(self.tightness_monitor.worst.values())
             if self.test_data is not None and self.rank == 0:
@@ -326,7 +328,7 @@ class PrivateTrainer(DeclaredConstants):
             accountant=self.accountant.mechanism,
             strategy=self.strategy,
             **randomness_label(self.noise_seed),
-            wall_time_s=self._wall,
+            nonprivate_wall_time_s=self._wall if self.log_train_stats else None,
             stopped_by_budget=self.optimizer.plan.budget_limited and self.steps >= self.max_steps,
             history=list(self.history),
         )
@@ -382,7 +384,7 @@ class PrivateTrainer(DeclaredConstants):
             "steps": self.steps,
             "epoch": self.epoch,
             "history": self.history,
-            "wall_time_s": self._wall,
+            "nonprivate_wall_time_s": self._wall if self.log_train_stats else None,
             "config": self._config(fingerprint_key),
             "run_config": self.run_config,
         }
@@ -456,7 +458,7 @@ class PrivateTrainer(DeclaredConstants):
         self._rank_streams = (state["steps"], rank_streams)
         self.steps, self.epoch = state["steps"], state["epoch"]
         self.history = list(state.get("history", []))
-        self._wall = state.get("wall_time_s", 0.0)
+        self._wall = state.get("nonprivate_wall_time_s") or 0.0  # kept only where asked for
         self._continues = Path(path).resolve()
 
 
