@@ -49,6 +49,7 @@ DEFAULTS: Dict[str, Any] = {
     "lr": 0.01,
     "seed": 0,
     "noise_seed": None,
+    "secure_noise": False,
     "augmult": 1,
     "average_decay": None,
     "augment_shift": 2,
@@ -156,6 +157,7 @@ SCHEMA: Dict[str, Any] = {
     "lr": _number(float, 0),
     "seed": _number(int),
     "noise_seed": _number(int, 0, low_open=False, optional=True),  # -1 is no "random" here: omit it for OS entropy
+    "secure_noise": _flag,
     "augmult": _number(int, 1, low_open=False),
     "augment_shift": _number(int, 0, low_open=False),
     "augment_flip": _flag,
@@ -184,8 +186,11 @@ SEED_HELP = ("public seed of the initialization and the train/test split (-1: ra
              "noise or the batches")
 NOISE_SEED_HELP = ("fix the noise and Poisson-sampling generators (experiments only: the run is then NOT private "
                    "against anyone who knows the seed); default: OS entropy")
-TRAIN_STATS_HELP = ("also log the loss/accuracy of the training batches, computed WITHOUT noise (outside the "
-                    "guarantee; labelled nonprivate_* wherever they appear)")
+TRAIN_STATS_HELP = ("also log the loss/accuracy of the training batches and the run's times, computed WITHOUT "
+                    "noise (outside the guarantee: the times grow with the secret batch sizes; labelled nonprivate_* "
+                    "wherever they appear)")
+SECURE_NOISE_HELP = ("draw each noise value as a sum of 4 Gaussian draws, against floating-point attacks on the "
+                     "sampler (as Opacus' secure_mode; 4 times the draws)")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -258,6 +263,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--augment-flip", action="store_true", default=None,
                    help="also random horizontal flips (natural images, not digits; with --augmult)")
     p.add_argument("--log-train-stats", action="store_true", default=None, help=TRAIN_STATS_HELP)
+    p.add_argument("--secure-noise", action="store_true", default=None, help=SECURE_NOISE_HELP)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -344,6 +350,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP + " (augmentations of the pairs too)")
     pre.add_argument("--log-train-stats", action="store_true", help=TRAIN_STATS_HELP.replace(
         "loss/accuracy of the training batches", "fraction of clipped pair gradients"))
+    pre.add_argument("--secure-noise", action="store_true", help=SECURE_NOISE_HELP)
     pre.add_argument("--output-dir", default="runs/pretrain")
     pre.add_argument("--resume", action="store_true", help="resume from output-dir/checkpoint.pt")
     pre.add_argument("--no-progress", dest="progress", action="store_false", default=None)
@@ -376,7 +383,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # What a resumed run may change: nothing here touches the privacy analysis, the model or the data.
-RESUME_APPLICABLE = ("lr", "progress", "log_train_stats", "data_dir", "output_dir", "resume")
+RESUME_APPLICABLE = ("lr", "progress", "log_train_stats", "secure_noise", "data_dir", "output_dir", "resume")
 
 
 def _on_a_terminal() -> bool:
@@ -587,6 +594,7 @@ def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, trai
         progress=bool(config["progress"]),
         checkpoint_path=checkpoint,
         log_train_stats=bool(config["log_train_stats"]),
+        secure_noise=bool(config["secure_noise"]),
         augmentation_multiplicity=config["augmult"],
         augment=_augmentation(config, shape),
         average_decay=config["average_decay"],
@@ -875,7 +883,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         noise_multiplier=args.noise_multiplier, accountant=args.accountant, noise_seed=args.noise_seed,
         eval_pairs=eval_pairs, progress=_on_a_terminal() if args.progress is None else args.progress,
         checkpoint_path=out_dir / "checkpoint.pt", log_train_stats=args.log_train_stats,
-        cross_term=args.cross_term,
+        cross_term=args.cross_term, secure_noise=args.secure_noise,
     )
     if args.resume:
         ckpt = out_dir / "checkpoint.pt"

@@ -210,13 +210,15 @@ class ContrastivePretrainer(DeclaredConstants):
     run is not private).  ``cross_term="cauchy_schwarz"`` (Logit-DP) clips each pair by an upper bound on its
     norm whose convolution part skips the exact cross term (faster, clips more; same sensitivity, see
     :func:`~clipless.contrastive.logit_dp.pair_gradient_norms`).  ``log_train_stats`` adds the fraction of
-    clipped pair gradients of the training batches (no noise: labelled ``nonprivate_clipped_fraction``).
+    clipped pair gradients of the training batches (no noise: labelled ``nonprivate_clipped_fraction``) and the
+    run's time.  ``secure_noise``: each noise value is a sum of draws against floating-point attacks on the
+    Gaussian sampler (:func:`~clipless.privacy.noise.gaussian`).
     """
 
     # What its clipping, noise, accounting and privacy label rest on: set once, then read-only; each step also
     # checks them against their values at construction.
     constants = ("method", "loss", "tau", "clip_norm", "batch_size", "delta", "noise_seed", "sample_rate", "accountant",
-                 "plan", "sigma", "sensitivity", "loader", "noise_generator", "pairs", "eval_pairs")
+                 "plan", "sigma", "sensitivity", "loader", "noise_generator", "secure_noise", "pairs", "eval_pairs")
 
     def __init__(
         self,
@@ -242,6 +244,7 @@ class ContrastivePretrainer(DeclaredConstants):
         log: Optional[Callable[[str], None]] = print,
         checkpoint_path: Optional[Union[str, Path]] = None,
         log_train_stats: bool = False,
+        secure_noise: bool = False,
     ) -> None:
         if world()[1] > 1:
             raise ValueError("Logit-DP / Naive-DP pre-training runs in one process; it does not support a distributed "
@@ -297,6 +300,9 @@ class ContrastivePretrainer(DeclaredConstants):
         # The noise is drawn where the gradients are (a CUDA encoder: a secret CUDA generator); batches follow.
         self.device = next((p.device for p in encoder.parameters()), torch.device("cpu"))
         self.noise_generator = make_generator(noise_seed, self.device, stream=2)
+        if not isinstance(secure_noise, bool):  # "no" or 0.5 would read as a choice
+            raise ValueError(f"secure_noise must be True or False, got {secure_noise!r}")
+        self.secure_noise = secure_noise
         self.steps = 0
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
@@ -361,7 +367,8 @@ class ContrastivePretrainer(DeclaredConstants):
         copy of the pre-trainer copies them with the snapshot)."""
         return (self.method, self.loss, self.tau, self.clip_norm, self.batch_size, self.delta, self.noise_seed,
                 self.sample_rate, self.sigma, self.sensitivity, self.accountant, self.loader, self.loader.parts(),
-                self.noise_generator, None if self.plan is None else self.plan.values(), self.pairs, self.eval_pairs)
+                self.noise_generator, self.secure_noise, None if self.plan is None else self.plan.values(), self.pairs,
+                self.eval_pairs)
 
     def _check_settings(self) -> None:
         if self._settings() != self._frozen:  # a write to the instance's __dict__ passes the read-only guard
@@ -398,7 +405,7 @@ class ContrastivePretrainer(DeclaredConstants):
         params = [p for p in self.encoder.parameters() if p.requires_grad]
         if self.accountant is not None:
             add_gaussian_noise_(params, self.sigma * self.sensitivity, self.batch_size,  # type: ignore[operator]
-                                self.noise_generator)
+                                self.noise_generator, self.secure_noise)
             self.plan.account_step(self.accountant)  # type: ignore[union-attr]
         else:
             for p in params:  # same scaling as the private paths: sum / expected batch size

@@ -112,10 +112,10 @@ class AdaptiveLossGradientClip(PerStepMechanism):
 
     @torch.no_grad()
     def update_(self, expected_batch_size: float, generator: Optional[torch.Generator] = None,
-                distributed: bool = False) -> float:
+                distributed: bool = False, secure: bool = False) -> float:
         """Release the noisy count of this step, update ``C``, reset the count; returns the noisy fraction."""
         fraction = noisy_count(self._below, self.count_noise_multiplier, generator, self.clip_norm.device,
-                               distributed=distributed)
+                               distributed=distributed, secure=secure)
         fraction /= expected_batch_size
         self.clip_norm.mul_(math.exp(-self.learning_rate * (fraction - self.target_quantile)))
         self._below_by_pass = {}

@@ -106,9 +106,10 @@ class PerStepMechanism(BoundedModule):
     count_noise_multiplier: float
 
     def update_(self, expected_batch_size: float, generator: Optional[torch.Generator] = None,
-                distributed: bool = False) -> float:
+                distributed: bool = False, secure: bool = False) -> float:
         """Release this step's noisy statistic and reset it (``distributed``: summed over the ranks and noised
-        once, :func:`~clipless.privacy.noise.noisy_count`)."""
+        once, :func:`~clipless.privacy.noise.noisy_count`; ``secure``: its ``secure`` noise, asked for by a
+        ``secure_noise`` optimizer, which refuses a mechanism whose ``update_`` lacks the flag)."""
         raise NotImplementedError
 
     def keep_only_(self, backward_passes: Collection[int]) -> None:

@@ -84,6 +84,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
     The noise comes from ``plan`` (:func:`~clipless.privacy.calibration.plan_noise`, the one noise plan); the
     step refuses to run past ``plan.max_steps`` (the target epsilon) and refuses a gradient on any
     parameter its bounds do not cover.  Without ``generator`` the noise is drawn from OS entropy.
+    ``secure_noise``: every noise value (and each per-step mechanism's) is a sum of draws that fills the gaps of a
+    floating-point Gaussian (:func:`~clipless.privacy.noise.gaussian`), at 4 draws per value.
     ``augmentation_multiplicity`` ``K``: the backward may carry ``K`` augmented rows per example, each loss
     weighted ``1/K`` (the mean of an example's ``K`` gradients is within the same per-example bound).
     """
@@ -92,7 +94,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
     # or generator would draw or count other noise than the run reports); each step also checks them against the
     # values frozen at construction (a write to the instance's __dict__ passes the read-only guard).
     constants = ("original_optimizer", "bound_engine", "plan", "expected_batch_size", "sample_rate", "accountant",
-                 "step_mechanisms", "augmentation_multiplicity", "generator", "rank", "world_size")
+                 "step_mechanisms", "augmentation_multiplicity", "generator", "secure_noise", "rank", "world_size")
 
     def __init__(
         self,
@@ -104,8 +106,11 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         generator: Optional[torch.Generator] = None,
         distributed: bool = False,
         augmentation_multiplicity: int = 1,
+        secure_noise: bool = False,
     ) -> None:
         augmentation_multiplicity = whole_number(augmentation_multiplicity, "augmentation_multiplicity")
+        if not isinstance(secure_noise, bool):  # "no" or 0.5 would read as a choice
+            raise ValueError(f"secure_noise must be True or False, got {secure_noise!r}")
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
                              f"{accountant.mechanism!r}")
@@ -133,6 +138,13 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         if tuple(sorted(counts)) != tuple(sorted(plan.mechanism_sigmas)):
             raise ValueError(f"the noise plan accounts per-step mechanisms {list(plan.mechanism_sigmas)} but the "
                              f"model releases counts with multipliers {list(counts)}")
+        plain = [type(clip).__name__ for clip in self.step_mechanisms
+                 if "secure" not in inspect.signature(clip.update_).parameters]
+        if secure_noise and plain:
+            raise ValueError(f"secure_noise=True, but {', '.join(plain)}.update_ takes no 'secure' argument: its "
+                             "per-step statistic would get torch's plain Gaussian; give update_ a 'secure' flag "
+                             "passed on to clipless.privacy.noise.noisy_count")
+        self.secure_noise = secure_noise
         if augmentation_multiplicity > 1 and self.step_mechanisms:
             raise ValueError("augmentation multiplicity > 1 with adaptive clipping: the per-step count would count "
                              "each example up to K times (sensitivity K, not 1); use a fixed LossGradientClip")
@@ -466,12 +478,11 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         """Add the planned noise, account, step, project, and start the next step."""
         self.last_report = report
         if self.world_size == 1:
-            self.last_noise_std = add_noise_(
-                report, self.plan.strategy, self.plan.layer_sigmas, self.expected_batch_size, self.generator
-            )
+            self.last_noise_std = add_noise_(report, self.plan.strategy, self.plan.layer_sigmas,
+                                             self.expected_batch_size, self.generator, secure=self.secure_noise)
         else:  # one draw of noise (rank 0) on the global sum, then / b
             self.last_noise_std = add_noise_(report, self.plan.strategy, self.plan.layer_sigmas, 1.0, self.generator,
-                                             draw=self.rank == 0)
+                                             draw=self.rank == 0, secure=self.secure_noise)
             grads = [p.grad for layer in report.layers for p in layer.params]
             all_reduce_sum_(grads)  # type: ignore[arg-type]
             for g in grads:
@@ -485,10 +496,11 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         for clip in self.step_mechanisms:  # after the step: its noise used the C of this batch's backward
             # the count of the released passes only: not of one cleared by zero_grad, refused, or an input gradient
             clip.keep_only_(passes)
+            secure = {"secure": True} if self.secure_noise else {}  # a mechanism without the flag is refused above
             if self.world_size > 1:
-                clip.update_(self.expected_batch_size, self.generator, distributed=True)
+                clip.update_(self.expected_batch_size, self.generator, distributed=True, **secure)
             else:  # the one-process call, as every PerStepMechanism implements it
-                clip.update_(self.expected_batch_size, self.generator)
+                clip.update_(self.expected_batch_size, self.generator, **secure)
         self._released_state = self._snapshot_released()  # stepped and projected (a noisy count may update a buffer)
         self._steps_released += 1
         # the next step needs a new batch's backward (no zero_grad can be forgotten); its forward compares the

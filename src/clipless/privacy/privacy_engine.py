@@ -173,6 +173,7 @@ class PrivacyEngine(DeclaredConstants):
         external_batches: bool = False,
         check_records: bool = True,
         progress: Optional[bool] = None,
+        secure_noise: bool = False,
     ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
         """Returns ``(module, dp_optimizer, poisson_loader)``.
 
@@ -192,7 +193,9 @@ class PrivacyEngine(DeclaredConstants):
         ``layer_noise_multipliers`` relative per-layer weights (or ``"energy"``),
         as everywhere (:mod:`clipless.privacy.calibration`).  With ``target_epsilon``
         (and ``target_delta``) the optimizer refuses any step past the budget; without
-        ``noise_multiplier`` sigma is calibrated so ``epochs`` epochs fit it.
+        ``noise_multiplier`` sigma is calibrated so ``epochs`` epochs fit it.  ``secure_noise``: each noise value
+        is a sum of 4 draws (:func:`~clipless.privacy.noise.gaussian`; Opacus' ``secure_mode``), against
+        floating-point attacks on the Gaussian sampler, for 4 times the draws.
         ``augmentation_multiplicity`` ``K`` (augmult): each example of a batch may enter the forward as ``K``
         augmented rows; backpropagate the mean of its ``K`` per-row losses, summed over the examples
         (``per_example.view(K, -1).mean(0).sum()`` for ``K`` stacked copies of the batch).  The per-example
@@ -232,7 +235,7 @@ class PrivacyEngine(DeclaredConstants):
                 "noise randomness": "fixed generator" if noise_generator is not None else "os-entropy",
                 "sampling randomness": "fixed generator" if sampling_generator is not None else "os-entropy",
                 "augmentation_multiplicity": augmentation_multiplicity,
-                "external_batches": bool(external_batches),
+                "external_batches": bool(external_batches), "secure_noise": secure_noise,
             }, "make_private")
             if sampling_generator is not None:
                 state = sampling_generator.get_state().cpu().numpy().tobytes()
@@ -284,7 +287,7 @@ class PrivacyEngine(DeclaredConstants):
         )
         dp_optimizer = DPOptimizer(optimizer, engine, plan, expected_batch_size=b, accountant=self.accountant,
                                    generator=noise_generator, distributed=bool(distributed),
-                                   augmentation_multiplicity=augmentation_multiplicity)
+                                   augmentation_multiplicity=augmentation_multiplicity, secure_noise=secure_noise)
         self.guard = InputGuard(module, input_shape, data_bound)
         if distributed:
             sampler = DistributedPoissonBatchSampler(n, sample_rate, rank, world_size, steps_per_epoch,

@@ -74,7 +74,8 @@ class PrivateTrainer(DeclaredConstants):
     plan (:func:`~clipless.privacy.calibration.plan_noise`).  With ``strategy='per_layer'``,
     ``layer_noise_multipliers`` are relative weights or ``'energy'``.
     Noise and sampling are drawn from OS entropy; ``noise_seed`` fixes them for
-    experiments, and the result then says the run is not private.
+    experiments, and the result then says the run is not private.  ``secure_noise``: each noise value is a sum of
+    draws against floating-point attacks on the Gaussian sampler (``make_private``'s).
     ``log_train_stats`` adds the loss and accuracy of the training batches to the
     history, labelled ``nonprivate_*``: they are computed without noise.
     ``tightness_monitor`` checks true per-example gradients against the bounds
@@ -120,6 +121,7 @@ class PrivateTrainer(DeclaredConstants):
         augmentation_multiplicity: int = 1,
         augment: Optional[Callable[[torch.Tensor, Optional[torch.Generator]], torch.Tensor]] = None,
         check_records: bool = True,
+        secure_noise: bool = False,
     ) -> None:
         if target_epsilon is None and noise_multiplier is None:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
@@ -165,6 +167,7 @@ class PrivateTrainer(DeclaredConstants):
             augmentation_multiplicity=augmentation_multiplicity,
             check_records=check_records,
             progress=progress,
+            secure_noise=secure_noise,
         )
         # the training records were checked by make_private; a bad held-out record would stop the run at the first
         # evaluation, after an epoch of private steps, or (a label out of range) make its accuracy silently wrong

@@ -1,0 +1,142 @@
+"""The secure noise sampler (``secure_noise``): a sum of draws that is still exactly N(0, std^2), used by every noise
+of a run that asks for it, and a declared constant of the private optimizer and the pre-trainer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import clipless as cl
+from clipless.privacy import noise
+from clipless.privacy.noise import SECURE_DRAWS, add_gaussian_noise_, gaussian, noisy_count
+
+
+def test_a_secure_draw_is_the_scaled_sum_of_four_plain_draws_and_standard_normal():
+    torch.manual_seed(0)
+    plain = torch.Generator().manual_seed(7)
+    draws = [torch.randn(5000, generator=plain, dtype=torch.float64) for _ in range(SECURE_DRAWS)]
+    secure = gaussian(5000, torch.Generator().manual_seed(7), dtype=torch.float64, secure=True)
+    assert SECURE_DRAWS == 4 and torch.allclose(secure, sum(draws) / 2, rtol=0, atol=1e-15)
+    assert torch.equal(gaussian(5000, torch.Generator().manual_seed(7), dtype=torch.float64), draws[0])
+    # the sum keeps the distribution: N(0, 1) by its moments and a Kolmogorov-Smirnov test
+    big = gaussian(200_000, torch.Generator().manual_seed(1), dtype=torch.float64, secure=True)
+    assert abs(float(big.mean())) < 0.01 and abs(float(big.std()) - 1) < 0.01
+    ordered = big.sort().values
+    cdf = 0.5 * (1 + torch.erf(ordered / math.sqrt(2)))
+    empirical = torch.arange(1, ordered.numel() + 1, dtype=torch.float64) / ordered.numel()
+    assert float((cdf - empirical).abs().max()) < 1.63 / math.sqrt(ordered.numel())  # KS at the 1% level
+    # float32 draws too (the dtype of the weights), and a scalar (a count's noise)
+    assert gaussian((3, 4), None, dtype=torch.float32, secure=True).dtype == torch.float32
+    assert gaussian((), None, dtype=torch.float64, secure=True).shape == ()
+
+
+def test_the_noise_primitives_draw_securely_on_request():
+    def grad_noise(secure):
+        p = nn.Parameter(torch.zeros(64))
+        p.grad = torch.zeros(64)
+        add_gaussian_noise_([p], 2.0, 4.0, torch.Generator().manual_seed(3), secure)
+        return p.grad
+
+    expected = 2.0 * gaussian(64, torch.Generator().manual_seed(3), secure=True) / 4.0
+    assert torch.allclose(grad_noise(True), expected, rtol=1e-6, atol=0) and not torch.equal(grad_noise(False), expected)
+    count = noisy_count(3.0, 2.0, torch.Generator().manual_seed(5), secure=True)
+    assert count == 3.0 + 2.0 * float(gaussian((), torch.Generator().manual_seed(5), dtype=torch.float64, secure=True))
+
+
+def _private(secure_noise, model=None, **kwargs):
+    torch.manual_seed(0)
+    model = model or nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(5, 3))
+    data = cl.ArrayDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    return cl.PrivacyEngine("rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=cl.TauCrossEntropy(),
+        noise_multiplier=1.0, input_shape=(5,), batch_size=16.0, secure_noise=secure_noise, **kwargs)
+
+
+def test_a_secure_private_step_draws_four_times_and_stays_a_declared_constant(monkeypatch):
+    calls = []
+    randn = torch.randn
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return randn(*args, **kwargs)
+
+    for secure, draws in ((False, 1), (True, SECURE_DRAWS)):
+        model, opt, loader = _private(secure)
+        x, y = next(iter(loader))
+        opt.zero_grad()
+        cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+        calls.clear()
+        monkeypatch.setattr(noise.torch, "randn", counted)
+        opt.step()
+        monkeypatch.setattr(noise.torch, "randn", randn)
+        assert len(calls) == draws  # one weight (no bias): its noise, drawn once or four times
+        assert opt.secure_noise is secure
+    with pytest.raises(AttributeError, match="secure_noise is a declared constant"):
+        opt.secure_noise = False
+    opt.__dict__["secure_noise"] = False  # past the read-only guard: the next step refuses
+    opt.zero_grad()
+    x, y = next(iter(loader))
+    cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+    with pytest.raises(cl.BoundError, match="settings"):
+        opt.step()
+    with pytest.raises(ValueError, match="secure_noise must be True or False"):
+        _private("yes")
+
+
+def test_secure_noise_reaches_the_adaptive_clips_count_and_refuses_a_mechanism_without_the_flag(monkeypatch):
+    from clipless.nn import clipping
+
+    seen = []
+    monkeypatch.setattr(clipping, "noisy_count", lambda count, *a, secure=False, **k: seen.append(secure) or count)
+    clip = cl.AdaptiveLossGradientClip(1e6, count_noise_multiplier=1.0)
+    model, opt, loader = _private(True, nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(5, 3), clip))
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
+    opt.step()
+    assert seen == [True]
+
+    class OldClip(cl.AdaptiveLossGradientClip):  # a mechanism written before the flag existed
+        def update_(self, expected_batch_size, generator=None, distributed=False):
+            return super().update_(expected_batch_size, generator, distributed)
+
+    old = OldClip(1e6, count_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="OldClip.update_ takes no 'secure' argument"):
+        _private(True, nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(5, 3), old))
+    _private(False, nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(5, 3), OldClip(1e6, 1.0)))
+
+
+def test_the_trainer_the_pretrainer_and_the_cli_pass_secure_noise_on(tmp_path, monkeypatch):
+    from clipless.cli import main
+    from clipless.contrastive import ContrastivePretrainer, GivenPairs
+
+    shape = (1, 4, 4)
+    model = cl.lipschitz_mlp(shape, 3, hidden=(8,), input_clip=1.0)
+    trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(),
+                                cl.ArrayDataset(torch.rand(64, *shape) / 4, torch.randint(0, 3, (64,))),
+                                input_shape=shape, batch_size=8, delta=1e-3, epochs=1, noise_multiplier=1.0,
+                                progress=False, log=None, secure_noise=True)
+    assert trainer.optimizer.secure_noise is True
+    secure = []
+    plain_noise = noise.add_gaussian_noise_
+
+    def recorded(params, std, b, generator, secure_flag=False):
+        secure.append(secure_flag)
+        return plain_noise(params, std, b, generator, secure_flag)
+
+    monkeypatch.setattr("clipless.contrastive.pretrain.add_gaussian_noise_", recorded)
+    xa = torch.rand(32, 8)
+    encoder = nn.Sequential(nn.Linear(8, 4))
+    ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), GivenPairs(xa, xa + 0.01),
+                          batch_size=8, epochs=1, delta=1e-3, noise_multiplier=1.0, progress=False, log=None,
+                          secure_noise=True).fit()
+    assert secure and all(secure)
+    out = tmp_path / "run"
+    assert main(["train", "--epochs", "1", "--hidden", "8", "--batch-size", "256", "--accountant", "rdp",
+                 "--no-progress", "--secure-noise", "--output-dir", str(out)]) == 0
+    import json
+
+    assert json.loads((out / "result.json").read_text())["config"]["secure_noise"] is True
