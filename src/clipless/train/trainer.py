@@ -172,7 +172,8 @@ class PrivateTrainer(DeclaredConstants):
         # the training records were checked by make_private; a bad held-out record would stop the run at the first
         # evaluation, after an epoch of private steps, or (a label out of range) make its accuracy silently wrong
         check_dataset_records(test_data, "test_data", loss, self.optimizer.bound_engine.input_shape,
-                              self.optimizer.bound_engine.output_shape, read=check_records, model=self.model)
+                              self.optimizer.bound_engine.output_shape, read=check_records,
+                              model=model)  # not the DistributedDataParallel wrapper: no collective in the probe
         # Augmentation multiplicity: K augmented rows per example, each loss weighted 1/K (make_private).
         self.augmentation_multiplicity = augmentation_multiplicity
         if augmentation_multiplicity > 1 and augment is None:
