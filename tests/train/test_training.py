@@ -284,6 +284,25 @@ def test_a_privacy_engine_or_accountant_swapped_in_is_refused(how, tmp_path):
     assert not (tmp_path / "ckpt.pt").exists()
 
 
+def test_a_checkpoints_unlabelled_times_of_an_earlier_version_are_not_released_again(tmp_path):
+    """Earlier versions recorded each epoch's time as ``epoch_time_s`` in the history a checkpoint keeps; the time
+    grows with the secret Poisson batch sizes, so a resumed run drops it instead of releasing it in its result, and
+    keeps the times of a run that asked for them (``nonprivate_epoch_time_s``)."""
+    first = digits_trainer(epochs=2)
+    first.max_steps = first.steps_per_epoch
+    first.fit()
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    state = load_checkpoint(tmp_path / "ckpt.pt")
+    state["history"] = [{**row, "epoch_time_s": 0.25, "nonprivate_epoch_time_s": 0.5} for row in state["history"]]
+    save_checkpoint(state, tmp_path / "old.pt")
+    shutil.copy(fingerprint_key_path(tmp_path / "ckpt.pt"), fingerprint_key_path(tmp_path / "old.pt"))
+    resumed = digits_trainer(epochs=2)
+    resumed.load_checkpoint(tmp_path / "old.pt")
+    history = resumed.fit().history
+    assert len(history) == 2 and all("epoch_time_s" not in row for row in history)
+    assert history[0]["nonprivate_epoch_time_s"] == 0.5 and "nonprivate_epoch_time_s" not in history[1]
+
+
 def test_the_training_data_swapped_in_as_test_data_is_refused():
     """``trainer.test_data = train_data`` after construction (past ``check_held_out``) logged and saved a
     "test_accuracy" computed on the training records without noise. The data are declared constants now."""

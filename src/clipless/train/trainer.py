@@ -461,7 +461,8 @@ class PrivateTrainer(DeclaredConstants):
             resume_generator(self.augment_generator, streams.get("augment_generator"))
         self._rank_streams = (state["steps"], rank_streams)
         self.steps, self.epoch = state["steps"], state["epoch"]
-        self.history = list(state.get("history", []))
+        # an earlier version recorded unlabelled times (epoch_time_s): they grow with the secret batch sizes
+        self.history = [{k: v for k, v in row.items() if k != "epoch_time_s"} for row in state.get("history", [])]
         self._wall = state.get("nonprivate_wall_time_s") or 0.0  # kept only where asked for
         self._continues = Path(path).resolve()
 
