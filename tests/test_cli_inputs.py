@@ -92,6 +92,7 @@ def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     ("progress: 'false'\n", r"--progress \(in .*\): must be true or false, got 'false'"),
     ("seed: 1.5\n", r"--seed \(in .*\): must be an integer, got 1.5"),
     ("epochs: 2.7\n", r"--epochs \(in .*\): must be an integer"),
+    ("lr-schedule: linear\n", r"--lr-schedule \(in .*\): must be one of"),
     ("bach-size: 128\n", r"unknown key 'bach-size' .* keys are the option names"),
     ("batch-size: 128\nbatch_size: 64\n", "sets batch-size twice"),
     # PyYAML's safe_load keeps the last of two equal keys without a word: this ran at epsilon 8
@@ -110,12 +111,13 @@ def test_bad_yaml_refused_with_the_key_named(tmp_path, content, match):
 
 def test_yaml_flag_spelling_and_pyyaml_float_strings_accepted(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("batch-size: 256\ndelta: 1e-5\nhidden: [16]\nepochs: 1\naccountant: rdp\nlog-train-stats: true\n")
+    config.write_text("batch-size: 256\ndelta: 1e-5\nhidden: [16]\nepochs: 1\naccountant: rdp\nlog-train-stats: true\n"
+                      "lr-schedule: cosine\n")
     assert yaml.safe_load(config.read_text())["delta"] == "1e-5"  # what PyYAML gives
     assert main(["train", "--config", str(config), "--no-progress", "--output-dir", str(tmp_path / "run")]) == 0
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["config"]["delta"] == 1e-5 and result["config"]["batch_size"] == 256
-    assert result["config"]["log_train_stats"] is True
+    assert result["config"]["log_train_stats"] is True and result["config"]["lr_schedule"] == "cosine"
 
 
 # -- data ------------------------------------------------------------------------------------------------------

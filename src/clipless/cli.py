@@ -47,6 +47,7 @@ DEFAULTS: Dict[str, Any] = {
     "accountant": "pld",
     "optimizer": "adam",
     "lr": 0.01,
+    "lr_schedule": "constant",
     "seed": 0,
     "noise_seed": None,
     "secure_noise": False,
@@ -155,6 +156,7 @@ SCHEMA: Dict[str, Any] = {
     "accountant": _choice("pld", "rdp"),
     "optimizer": _choice("adam", "sgd"),
     "lr": _number(float, 0),
+    "lr_schedule": _choice("constant", "cosine"),
     "seed": _number(int),
     "noise_seed": _number(int, 0, low_open=False, optional=True),  # -1 is no "random" here: omit it for OS entropy
     "secure_noise": _flag,
@@ -255,6 +257,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accountant", choices=["pld", "rdp"])
     p.add_argument("--optimizer", choices=["adam", "sgd"])
     p.add_argument("--lr", type=float)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"],
+                   help="the learning rate over the epochs: constant, or cosine decay to 0 (CosineAnnealingLR, stepped "
+                   "per epoch; a function of the epoch count, no privacy cost); the same for every --method")
     p.add_argument("--seed", type=int, help=SEED_HELP)
     p.add_argument("--noise-seed", type=int, help=NOISE_SEED_HELP)
     p.add_argument("--augmult", type=int, help="augmentation multiplicity K: each example's gradient is the mean over "
@@ -572,6 +577,7 @@ def _build_clipless(config: Dict[str, Any], data: Any, shape: Tuple[int, ...]) -
 
 def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, train_data: Any, test_data: Any,
              shape: Tuple[int, ...], input_bound: Optional[float], checkpoint: Optional[Path]) -> Any:
+    from .nn.models import build_lr_schedule
     from .train.trainer import PrivateTrainer
 
     return PrivateTrainer(
@@ -595,6 +601,7 @@ def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, trai
         checkpoint_path=checkpoint,
         log_train_stats=bool(config["log_train_stats"]),
         secure_noise=bool(config["secure_noise"]),
+        lr_scheduler=build_lr_schedule(config["lr_schedule"], int(config["epochs"])),
         augmentation_multiplicity=config["augmult"],
         augment=_augmentation(config, shape),
         average_decay=config["average_decay"],
@@ -805,7 +812,8 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
     else:
         model = standard_mlp(shape, classes, hidden=config["hidden"])
     common = dict(batch_size=int(config["batch_size"]), epochs=int(config["epochs"]), lr=config["lr"],
-                  optimizer=config["optimizer"], seed=seed, test_data=data.test, progress=bool(config["progress"]))
+                  optimizer=config["optimizer"], seed=seed, test_data=data.test, progress=bool(config["progress"]),
+                  lr_schedule=config["lr_schedule"])
     if config["method"] == "dpsgd":
         outcome = train_dpsgd(model, data.train, delta=config["delta"], max_grad_norm=config["max_grad_norm"],
                               target_epsilon=config["epsilon"],  # with a fixed sigma: where the steps stop

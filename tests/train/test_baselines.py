@@ -59,6 +59,33 @@ def test_nonprivate_reaches_high_accuracy(digits):
     assert result.test_accuracy > 0.93 and result.epsilon is None and result.nonprivate_wall_time_s > 0
 
 
+def test_the_baselines_take_the_same_learning_rate_schedules(digits, monkeypatch):
+    """``lr_schedule="cosine"`` steps a CosineAnnealingLR over the epochs after every epoch, as the clipless
+    trainer's CLI schedule does (``--lr-schedule`` is the same for every method); another name is refused first."""
+    from torch.optim.lr_scheduler import CosineAnnealingLR
+
+    seen = []
+    step = CosineAnnealingLR.step
+
+    def recorded(self, *args, **kwargs):
+        step(self, *args, **kwargs)
+        seen.append(self.optimizer.param_groups[0]["lr"])
+
+    monkeypatch.setattr(CosineAnnealingLR, "step", recorded)
+    train_nonprivate(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=256, epochs=2,
+                     lr=1e-2, seed=0, progress=False, lr_schedule="cosine")
+    assert seen == pytest.approx([1e-2, 5e-3, 0.0], abs=1e-12)  # the constructor steps once
+    seen.clear()
+    train_dpsgd(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=256, epochs=2, lr=1e-2,
+                delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0, progress=False, lr_schedule="cosine")
+    assert seen == pytest.approx([1e-2, 5e-3, 0.0], abs=1e-12)
+    for train in (train_nonprivate, train_dpsgd):
+        with pytest.raises(ValueError, match="unknown learning-rate schedule 'linear'"):
+            train(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=256, epochs=1,
+                  progress=False, lr_schedule="linear",
+                  **({"delta": 1e-5, "max_grad_norm": 1.0, "noise_multiplier": 1.0} if train is train_dpsgd else {}))
+
+
 def test_standard_cnn_matches_lipschitz_cnn_shapes():
     shape = (1, 28, 28)
     plain, lipschitz = standard_cnn(shape, 10, channels=(16, 32)), cl.lipschitz_cnn(shape, 10, channels=(16, 32))

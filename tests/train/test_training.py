@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -301,6 +302,44 @@ def test_a_checkpoints_unlabelled_times_of_an_earlier_version_are_not_released_a
     history = resumed.fit().history
     assert len(history) == 2 and all("epoch_time_s" not in row for row in history)
     assert history[0]["nonprivate_epoch_time_s"] == 0.5 and "nonprivate_epoch_time_s" not in history[1]
+
+
+def test_a_learning_rate_schedule_steps_per_epoch_and_resumes_exactly(tmp_path):
+    """``lr_scheduler`` (a torch scheduler of the private optimizer) steps after every epoch, is kept in the
+    checkpoint, and a resumed run continues it: the same weights and learning rates as the uninterrupted run. A
+    schedule on a metric (``ReduceLROnPlateau``) is refused, as is a resume with or without a schedule the checkpoint
+    lacks or has."""
+    from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
+
+    cosine = lambda opt: CosineAnnealingLR(opt, T_max=4)  # noqa: E731
+    straight = digits_trainer(epochs=4, lr_scheduler=cosine)
+    rates = []
+    straight.log = lambda line: rates.append(straight.optimizer.param_groups[0]["lr"])
+    straight.fit()
+    expected = [0.005 * (1 + math.cos(math.pi * t / 4)) for t in range(1, 5)]
+    assert rates == pytest.approx(expected, abs=1e-12) and rates[-1] == pytest.approx(0.0, abs=1e-12)
+    first = digits_trainer(epochs=4, lr_scheduler=cosine)
+    first.max_steps = 2 * first.steps_per_epoch
+    first.fit()
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    resumed = digits_trainer(epochs=4, lr_scheduler=cosine)
+    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected[1], abs=1e-12)
+    resumed.fit()
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="written by a run with a learning-rate schedule and this run has none"):
+        digits_trainer(epochs=4).load_checkpoint(tmp_path / "ckpt.pt")
+    plain = digits_trainer(epochs=4)
+    plain.max_steps = plain.steps_per_epoch
+    plain.fit()
+    plain.save_checkpoint(tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="written by a run without a learning-rate schedule and this run has one"):
+        digits_trainer(epochs=4, lr_scheduler=cosine).load_checkpoint(tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="ReduceLROnPlateau steps on a metric"):
+        digits_trainer(epochs=1, lr_scheduler=ReduceLROnPlateau)
+    with pytest.raises(ValueError, match="must return a torch learning-rate scheduler"):
+        digits_trainer(epochs=1, lr_scheduler=lambda opt: 0.5)
 
 
 def test_the_training_data_swapped_in_as_test_data_is_refused():

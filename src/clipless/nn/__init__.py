@@ -24,6 +24,7 @@ from .losses import (
 )
 from .models import (
     build_loss,
+    build_lr_schedule,
     build_model,
     build_optimizer,
     lipschitz_cnn,
@@ -37,6 +38,7 @@ __all__ = [
     "AdaptiveLossGradientClip", "BinaryCrossEntropyWithTemperature", "CrossEntropyWithTemperature", "GroupSort",
     "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear",
     "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "OrthogonalConv2d",
-    "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_model", "build_optimizer", "export",
+    "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_lr_schedule", "build_model",
+    "build_optimizer", "export",
     "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg",
 ]

@@ -39,6 +39,8 @@ __all__ = [
     "build_model",
     "build_loss",
     "build_optimizer",
+    "build_lr_schedule",
+    "LR_SCHEDULES",
     "MODELS",
     "LOSSES",
 ]
@@ -309,6 +311,19 @@ def build_optimizer(params: Iterable[nn.Parameter], name: str, lr: float) -> tor
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     raise ValueError(f"unknown optimizer {name!r} (adam, sgd)")
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def build_lr_schedule(name: str, epochs: int) -> Optional[Callable[[torch.optim.Optimizer], Any]]:
+    """``constant`` (None: no scheduler) or ``cosine`` (``CosineAnnealingLR`` over ``epochs``, stepped per epoch):
+    the same choice for clipless, DP-SGD and non-private runs; a function of the epoch count only."""
+    if name == "constant":
+        return None
+    if name == "cosine":
+        return lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    raise ValueError(f"unknown learning-rate schedule {name!r} {LR_SCHEDULES}")
 
 
 def build_loss(name: str, num_classes: int, **kwargs: Any) -> LipschitzLoss:

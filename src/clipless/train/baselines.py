@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from ..data.datasets import check_held_out
-from ..nn.models import build_optimizer
+from ..nn.models import build_lr_schedule, build_optimizer
 from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.randomness import make_generator, randomness_label
@@ -120,6 +120,7 @@ def train_dpsgd(
     test_data: Optional[Dataset] = None,
     progress: bool = True,
     log_train_stats: bool = False,
+    lr_schedule: str = "constant",
 ) -> BaselineResult:
     """Clipped DP-SGD (Abadi et al.) through Opacus: per-example gradients clipped to ``max_grad_norm``,
     noise ``N(0, sigma^2 C^2)`` on the sum, division by the expected batch size, Poisson sampling.
@@ -130,7 +131,9 @@ def train_dpsgd(
     ``target_epsilon`` (sigma is calibrated for ``epochs``), ``noise_multiplier``, or both (the run stops where
     the next step would pass the target; ``extra["stopped_by_budget"]`` says whether it did).
     ``log_train_stats`` adds ``nonprivate_wall_time_s``: it grows with the realised (secret) batch sizes.
+    ``lr_schedule``: ``constant`` or ``cosine`` over the epochs, stepped per epoch (``build_lr_schedule``).
     """
+    schedule = build_lr_schedule(lr_schedule, epochs)  # checked before anything runs
     train_data, loader_options = loader_parts(train_data)  # Poisson batches over a loader's dataset, its workers kept
     test_data, _ = loader_parts(test_data, training=False)
     check_held_out(train_data, test_data)
@@ -165,6 +168,7 @@ def train_dpsgd(
             max_grad_norm=max_grad_norm, poisson_sampling=True, noise_generator=make_generator(noise_seed, stream=2),
         )
     assert abs(dp_loader.sample_rate - sample_rate) < 1e-12
+    scheduler = schedule(opt) if schedule is not None else None  # on Opacus' optimizer: its groups are the inner's
     # The same Poisson sampling as Opacus' loader (rate q, len(loader) steps per epoch), through the
     # library's batched gather: Opacus' loader fetches records one by one, which dominates small models.
     batches = poisson_data_loader(train_data, sample_rate, make_generator(noise_seed, stream=1),
@@ -183,6 +187,8 @@ def train_dpsgd(
                 loss.backward()
             opt.step()  # empty Poisson batches are steps too (Opacus still adds noise)
             ours.step(noise_multiplier, sample_rate)
+        if scheduler is not None:
+            scheduler.step()
     wall = time.perf_counter() - start
     scores = predict_scores(model, test_data) if test_data is not None else {"accuracy": None, "auroc": None}
     return BaselineResult(
@@ -207,19 +213,25 @@ def train_nonprivate(
     seed: Optional[int] = None,
     test_data: Optional[Dataset] = None,
     progress: bool = True,
+    lr_schedule: str = "constant",
 ) -> BaselineResult:
-    """Ordinary training (shuffled mini-batches, mean cross-entropy): the utility ceiling, no privacy."""
+    """Ordinary training (shuffled mini-batches, mean cross-entropy): the utility ceiling, no privacy.
+    ``lr_schedule`` as for :func:`train_dpsgd`."""
+    schedule = build_lr_schedule(lr_schedule, epochs)
     if seed is not None:
         torch.manual_seed(seed)
     loader = DataLoader(train_data, batch_size=batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(seed) if seed is not None else None)
     opt = build_optimizer(model.parameters(), optimizer, lr)
+    scheduler = schedule(opt) if schedule is not None else None
     start = time.perf_counter()
     for _ in tqdm(range(epochs), desc="non-private", disable=not progress):
         for x, y in loader:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
+        if scheduler is not None:
+            scheduler.step()
     wall = time.perf_counter() - start
     scores = predict_scores(model, test_data) if test_data is not None else {"accuracy": None, "auroc": None}
     return BaselineResult(

@@ -76,6 +76,10 @@ class PrivateTrainer(DeclaredConstants):
     Noise and sampling are drawn from OS entropy; ``noise_seed`` fixes them for
     experiments, and the result then says the run is not private.  ``secure_noise``: each noise value is a sum of
     draws against floating-point attacks on the Gaussian sampler (``make_private``'s).
+    ``lr_scheduler``: a function of the private optimizer returning a torch learning-rate scheduler (e.g.
+    ``lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)``), stepped after every epoch and
+    kept in the checkpoint: a function of the epoch count, post-processing.  ``ReduceLROnPlateau`` is refused (its
+    metric would be a training statistic without noise, or the test score tuned on).
     ``log_train_stats`` adds the loss and accuracy of the training batches to the
     history, labelled ``nonprivate_*``: they are computed without noise.
     ``tightness_monitor`` checks true per-example gradients against the bounds
@@ -122,6 +126,7 @@ class PrivateTrainer(DeclaredConstants):
         augment: Optional[Callable[[torch.Tensor, Optional[torch.Generator]], torch.Tensor]] = None,
         check_records: bool = True,
         secure_noise: bool = False,
+        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
     ) -> None:
         if target_epsilon is None and noise_multiplier is None:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
@@ -206,6 +211,14 @@ class PrivateTrainer(DeclaredConstants):
         # A deep copy leaves the guards behind (clipless.privacy.input_guard): the average is never stepped by the optimizer.
         self.averaged_model: Optional[nn.Module] = copy.deepcopy(self.module) if average_decay else None
         self._wall = 0.0
+        self.lr_scheduler = None if lr_scheduler is None else lr_scheduler(self.optimizer)
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("ReduceLROnPlateau steps on a metric: a training loss would be a statistic of the "
+                             "batches without noise, and the test score would be tuned on; use a schedule of the "
+                             "epoch count (StepLR, CosineAnnealingLR, ...)")
+        if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "state_dict", None)):
+            raise ValueError(f"lr_scheduler must return a torch learning-rate scheduler, got "
+                             f"{type(self.lr_scheduler).__name__}")
         # What made the run (e.g. the CLI's resolved flags): kept in the checkpoint so a resume can restore it.
         self.run_config: Optional[Dict[str, Any]] = None
         self.record_declared()
@@ -292,6 +305,8 @@ class PrivateTrainer(DeclaredConstants):
             stats = self._train_epoch()
             self._wall += time.perf_counter() - start
             self.epoch += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
             row = {"epoch": self.epoch, "steps": self.steps, **stats, "epsilon": self.epsilon()}
             if self.log_train_stats:  # a timing side channel: the time grows with the secret batch sizes
                 row["nonprivate_epoch_time_s"] = time.perf_counter() - start
@@ -379,6 +394,7 @@ class PrivateTrainer(DeclaredConstants):
             "world_size": self.world_size,
             "averaged_model": self.averaged_model.state_dict() if self.averaged_model is not None else None,
             "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "accountant": self.accountant.state_dict(),
             **self._streams(),
             # one entry per rank (distributed runs): a rank that restarted its seeded stream would replay its
@@ -441,6 +457,10 @@ class PrivateTrainer(DeclaredConstants):
         # Every check before anything is loaded: a refused checkpoint leaves this trainer as it was.
         if self.averaged_model is not None and state.get("averaged_model") is None:
             raise ValueError("checkpoint has no averaged model but this run averages iterates")
+        if (self.lr_scheduler is None) != (state.get("lr_scheduler") is None):
+            kept, here = ("with", "none") if self.lr_scheduler is None else ("without", "one")
+            raise ValueError(f"checkpoint {path} was written by a run {kept} a learning-rate schedule and this run has "
+                             f"{here}: resume with the same lr_scheduler")
         rank_streams = state.get("rank_streams") or [_own_streams(state)]
         if len(rank_streams) != self.world_size:
             raise ValueError(f"checkpoint {path} does not record the sampling streams of every process (an older "
@@ -455,6 +475,8 @@ class PrivateTrainer(DeclaredConstants):
             self.averaged_model.load_state_dict(state["averaged_model"])
         self.accountant.load_state_dict(state["accountant"])
         self.optimizer.load_state_dict(state["optimizer"])  # its own history, if recorded, is the same
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         streams = rank_streams[self.rank]
         resume_generator(self.sampling_generator, streams["sampling_generator"])
         if self.augment_generator is not None:
