@@ -147,21 +147,25 @@ def _check_pair_dataset(pairs: Optional[Dataset], what: str, encoder: Optional[n
         check_model_takes(encoder, first[0].dtype, tuple(first[0].shape), what)
 
 
-def _check_pair_records(pairs: Dataset, encoder: nn.Module, what: str = "the training pairs") -> None:
+def _check_pair_records(pairs: Dataset, encoder: nn.Module, what: str = "the training pairs",
+                        read_first: bool = False) -> None:
     """Every pair a private step could draw, checked before any step as the step checks its batch (finite views, one
     shape for every view, a dtype the encoder takes): a bad pair would otherwise stop the run at the step whose
     secret Poisson batch first holds it.  A dataset that declares the tensors it draws its views from
     (``record_tensors()``: the crops, blurs and pixel noise of :class:`AugmentedPairs` are finite for finite images
     and keep their shape and dtype) is checked from them; any other is read once, in order.  Held-out pairs
     (``what="eval_pairs"``) alike: a bad one would stop the run at the first held-out loss, after an epoch of
-    private steps, or make that loss NaN."""
+    private steps, or make that loss NaN.  ``read_first``: the kind of the records is checked from the first one
+    even when the dataset holds tensors (a labelled dataset does too); not for the training pairs, whose read
+    would draw augmentations."""
     own = getattr(pairs, "record_tensors", None)
+    if read_first or not callable(own):
+        _check_pair_dataset(pairs, what, None if callable(own) else encoder)  # held tensors: probed below
     if callable(own):
         for tensor in own():
             check_finite(tensor, f"{what}' data")
             check_model_takes(encoder, tensor.dtype, tuple(tensor.shape[1:]), what)
         return
-    _check_pair_dataset(pairs, what, encoder)
     shape = None
     try:
         for xa, xb in record_chunks(pairs):
@@ -259,8 +263,7 @@ class ContrastivePretrainer(DeclaredConstants):
         batch_size = expected_batch_size(batch_size, n)
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
         if eval_pairs is not None:
-            _check_pair_dataset(eval_pairs, "eval_pairs")  # of the right kind first: a labelled set holds tensors too
-            _check_pair_records(eval_pairs, encoder, "eval_pairs")
+            _check_pair_records(eval_pairs, encoder, "eval_pairs", read_first=True)
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
