@@ -12,6 +12,7 @@ varies by about +-15% from one process to the next, so single-process ratios are
   clipless   clipless private step of the same model (DPOptimizer: certified bounds, noise, /b, Adam,
              projection, accountant, the step guard's checks)
   unguarded  the same private step with the step guard's checks removed (benchmark only: what they cost)
+  secure     the same private step with secure_noise=True (each noise value a sum of 4 draws)
   standard   non-private step of the unconstrained counterpart (same widths, nn.Conv2d/nn.Linear, ReLU)
   opacus     Opacus DP-SGD step of the standard model (per-example gradients, clipping, noise, Adam)
   ghost      Opacus DP-SGD with ghost clipping (grad_sample_mode="ghost": per-example norms without
@@ -26,8 +27,8 @@ hand activation memory back to the OS and fault it in again each step.
 
 Ratios: clipless / standard (the promise: a private step at the price of an ordinary step of an ordinary
 network), clipless / lipschitz (the cost of privacy on the same model), clipless / unguarded (the cost of
-the checks that the private step owns its inputs), opacus / standard, clipless / opacus and clipless /
-ghost; memory ratio clipless / standard.
+the checks that the private step owns its inputs), secure / clipless (the cost of the secure sampler), opacus /
+standard, clipless / opacus and clipless / ghost; memory ratio clipless / standard.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 import torch
 from report import ALLOCATORS, rss_mb, use_allocator
 
-METHODS = ("lipschitz", "clipless", "unguarded", "standard", "opacus", "ghost")
+METHODS = ("lipschitz", "clipless", "unguarded", "secure", "standard", "opacus", "ghost")
 
 
 class _NoChecks:
@@ -86,7 +87,7 @@ def _build(method: str, model_name: str, batch: int, device: str):
     if model_name == "linear":  # scattering features lie on the unit sphere
         x = x / x.norm(dim=1, keepdim=True)
     y = torch.randint(0, 10, (batch,), device=device)
-    if method in ("lipschitz", "clipless", "unguarded"):
+    if method in ("lipschitz", "clipless", "unguarded", "secure"):
         if model_name == "cnn":
             model = cl.lipschitz_cnn(shape, 10, channels=(16, 32), input_clip=bound)
         elif model_name == "linear":
@@ -110,6 +111,7 @@ def _build(method: str, model_name: str, batch: int, device: str):
             # like benchmarks/mnist.py, the linear head relies on its InputNormClip alone (no data-bound check)
             input_shape=shape, batch_size=batch / 2, input_bound=None if model_name == "linear" else bound,
             external_batches=True,  # every step reuses one fixed batch: a timing, not a private run
+            secure_noise=method == "secure",
         )
         if method == "unguarded":
             dp_opt.guard.remove()
@@ -237,6 +239,8 @@ def main() -> None:
             row["clipless/lipschitz"] = row["clipless_ms"] / row["lipschitz_ms"]
         if "clipless_ms" in row and "unguarded_ms" in row:
             row["clipless/unguarded"] = row["clipless_ms"] / row["unguarded_ms"]
+        if "clipless_ms" in row and "secure_ms" in row:
+            row["secure/clipless"] = row["secure_ms"] / row["clipless_ms"]
         if "opacus_ms" in row and "standard_ms" in row:
             row["opacus/standard"] = row["opacus_ms"] / row["standard_ms"]
         for other in ("standard", "opacus", "ghost"):
@@ -252,13 +256,15 @@ def main() -> None:
 
     print_table(
         f"{'model':5} {'batch':>6} {'alloc':>6} " + " ".join(f"{m + ' ms':>13}" for m in args.methods)
-        + f" {'clipless/std':>12} {'clipless/lip':>12} {'clipless/ung':>12} {'opacus/std':>10} {'cl/opacus':>9}"
+        + f" {'clipless/std':>12} {'clipless/lip':>12} {'clipless/ung':>12} {'secure/cl':>9} {'opacus/std':>10}"
+        + f" {'cl/opacus':>9}"
         + f" {'cl/ghost':>8} {'cl/std MB':>9} "
         + " ".join(f"{m + ' MB':>13}" for m in args.methods),
         [f"{r['model']:5} {r['batch']:6d} {r['allocator']:>6} "
          + " ".join(f"{cell(r, m + '_ms', '.2f'):>13}" for m in args.methods)
          + f" {cell(r, 'clipless/standard', '.3f'):>12} {cell(r, 'clipless/lipschitz', '.3f'):>12}"
-         + f" {cell(r, 'clipless/unguarded', '.3f'):>12} {cell(r, 'opacus/standard', '.3f'):>10}"
+         + f" {cell(r, 'clipless/unguarded', '.3f'):>12} {cell(r, 'secure/clipless', '.3f'):>9}"
+         + f" {cell(r, 'opacus/standard', '.3f'):>10}"
          + f" {cell(r, 'clipless/opacus', '.3f'):>9} {cell(r, 'clipless/ghost', '.3f'):>8}"
          + f" {cell(r, 'clipless/standard MB', '.2f'):>9} "
          + " ".join(f"{cell(r, m + '_mb', '.0f'):>13}" for m in args.methods) for r in rows],

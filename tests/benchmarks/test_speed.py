@@ -26,7 +26,7 @@ def speed():
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
-@pytest.mark.parametrize("method", ["lipschitz", "clipless", "unguarded", "standard", "opacus", "ghost"])
+@pytest.mark.parametrize("method", ["lipschitz", "clipless", "unguarded", "secure", "standard", "opacus", "ghost"])
 def test_every_method_builds_a_step_that_runs(speed, method, model):
     """The 'unguarded' stand-in for the step guard went out of date twice (a changed method signature, then the
     guard's settings the optimizer checks every step) and crashed the benchmark."""
@@ -36,6 +36,7 @@ def test_every_method_builds_a_step_that_runs(speed, method, model):
     step = speed._build(method, model, 4, "cpu")
     for _ in range(2):
         step()
+    assert set(speed.METHODS) == {"lipschitz", "clipless", "unguarded", "secure", "standard", "opacus", "ghost"}
 
 
 def test_the_phases_of_a_step_are_timed_and_add_up(speed):
