@@ -39,6 +39,29 @@ def test_every_method_builds_a_step_that_runs(speed, method, model):
     assert set(speed.METHODS) == {"lipschitz", "clipless", "unguarded", "secure", "standard", "opacus", "ghost"}
 
 
+def test_the_secure_method_draws_four_times_the_noise(speed, monkeypatch):
+    """'secure' times the private step with secure_noise=True: four draws per weight where 'clipless' makes one."""
+    from clipless.privacy import noise
+
+    draws = []
+    randn = torch.randn
+
+    def counted(*args, **kwargs):
+        draws.append(1)
+        return randn(*args, **kwargs)
+
+    counts = {}
+    for method in ("clipless", "secure"):
+        step = speed._build(method, "mlp", 4, "cpu")
+        step()
+        monkeypatch.setattr(noise.torch, "randn", counted)
+        draws.clear()
+        step()
+        monkeypatch.setattr(noise.torch, "randn", randn)
+        counts[method] = len(draws)
+    assert counts["clipless"] == 3 and counts["secure"] == 12  # the MLP's three weights
+
+
 def test_the_phases_of_a_step_are_timed_and_add_up(speed):
     """``profile_step.py --phases``: the parts of the private step add up to the step (the rest is what is left)."""
     spec = importlib.util.spec_from_file_location("profile_step", BENCHMARKS / "profile_step.py")
