@@ -14,6 +14,7 @@ import torch
 
 from .contrastive.evaluation import LAYERS
 from .contrastive.logit_dp import CROSS_TERMS
+from .nn.models import LR_SCHEDULES
 from .privacy.calibration import BudgetExhaustedError
 from .train.allocator import tune_cpu_allocator
 
@@ -156,7 +157,7 @@ SCHEMA: Dict[str, Any] = {
     "accountant": _choice("pld", "rdp"),
     "optimizer": _choice("adam", "sgd"),
     "lr": _number(float, 0),
-    "lr_schedule": _choice("constant", "cosine"),
+    "lr_schedule": _choice(*LR_SCHEDULES),
     "seed": _number(int),
     "noise_seed": _number(int, 0, low_open=False, optional=True),  # -1 is no "random" here: omit it for OS entropy
     "secure_noise": _flag,
@@ -257,7 +258,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accountant", choices=["pld", "rdp"])
     p.add_argument("--optimizer", choices=["adam", "sgd"])
     p.add_argument("--lr", type=float)
-    p.add_argument("--lr-schedule", choices=["constant", "cosine"],
+    p.add_argument("--lr-schedule", choices=list(LR_SCHEDULES),
                    help="the learning rate over the epochs: constant, or cosine decay to 0 (CosineAnnealingLR, stepped "
                    "per epoch; a function of the epoch count, no privacy cost); the same for every --method")
     p.add_argument("--seed", type=int, help=SEED_HELP)

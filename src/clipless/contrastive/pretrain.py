@@ -25,7 +25,7 @@ from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_acco
                                   check_nothing_released)
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
 from ..privacy.certified import whole_number
-from ..privacy.noise import add_gaussian_noise_
+from ..privacy.noise import add_gaussian_noise_, check_secure_flag
 from ..privacy.optimizer import changed_state, put_back_changes_, restore_state_, snapshot_state
 from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
@@ -303,9 +303,7 @@ class ContrastivePretrainer(DeclaredConstants):
         # The noise is drawn where the gradients are (a CUDA encoder: a secret CUDA generator); batches follow.
         self.device = next((p.device for p in encoder.parameters()), torch.device("cpu"))
         self.noise_generator = make_generator(noise_seed, self.device, stream=2)
-        if not isinstance(secure_noise, bool):  # "no" or 0.5 would read as a choice
-            raise ValueError(f"secure_noise must be True or False, got {secure_noise!r}")
-        self.secure_noise = secure_noise
+        self.secure_noise = check_secure_flag(secure_noise)
         self.steps = 0
         self.epoch = 0
         self.history: List[Dict[str, float]] = []

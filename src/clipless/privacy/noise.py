@@ -19,6 +19,7 @@ __all__ = [
     "STRATEGIES",
     "SECURE_DRAWS",
     "gaussian",
+    "check_secure_flag",
     "add_noise_",
     "add_gaussian_noise_",
     "allocate_layer_noise",
@@ -30,6 +31,13 @@ STRATEGIES = ("global", "per_layer")
 
 # Standard normals summed per secure sample: their sum over sqrt(SECURE_DRAWS) (= 2) is N(0, 1) again.
 SECURE_DRAWS = 4
+
+
+def check_secure_flag(secure: Any) -> bool:
+    """``secure_noise`` as given, refused unless a bool ("no" or 0.5 would read as a choice)."""
+    if not isinstance(secure, bool):
+        raise ValueError(f"secure_noise must be True or False, got {secure!r}")
+    return secure
 
 
 def gaussian(shape: Any, generator: Optional[torch.Generator], device: Any = "cpu", dtype: torch.dtype = torch.float32,

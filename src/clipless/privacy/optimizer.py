@@ -26,7 +26,7 @@ from .certified import BoundError, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
 from .input_guard import InputGuard, StepGuard, rows_repeated, unwatched
 from .modules import DeclaredConstants, step_mechanisms
-from .noise import add_noise_
+from .noise import add_noise_, check_secure_flag
 from .randomness import resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
@@ -109,8 +109,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         secure_noise: bool = False,
     ) -> None:
         augmentation_multiplicity = whole_number(augmentation_multiplicity, "augmentation_multiplicity")
-        if not isinstance(secure_noise, bool):  # "no" or 0.5 would read as a choice
-            raise ValueError(f"secure_noise must be True or False, got {secure_noise!r}")
+        check_secure_flag(secure_noise)
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
                              f"{accountant.mechanism!r}")
@@ -139,8 +138,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             raise ValueError(f"the noise plan accounts per-step mechanisms {list(plan.mechanism_sigmas)} but the "
                              f"model releases counts with multipliers {list(counts)}")
         plain = [type(clip).__name__ for clip in self.step_mechanisms
-                 if "secure" not in inspect.signature(clip.update_).parameters]
-        if secure_noise and plain:
+                 if "secure" not in inspect.signature(clip.update_).parameters] if secure_noise else []
+        if plain:
             raise ValueError(f"secure_noise=True, but {', '.join(plain)}.update_ takes no 'secure' argument: its "
                              "per-step statistic would get torch's plain Gaussian; give update_ a 'secure' flag "
                              "passed on to clipless.privacy.noise.noisy_count")
