@@ -557,6 +557,49 @@ def test_containers_and_layers_with_unknown_forwards_refused():
         _engine_setup(module=loud)
 
 
+class _CallScaled(cl.LipschitzLinear):
+    """Forward and bounds are LipschitzLinear's; the call scales the output by 1.5."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs) * 1.5
+
+
+class _WeightScaled(cl.LipschitzLinear):
+    """Every read of ``weight`` (forward's included) gives 1.5 times the stored, projected weight."""
+
+    def __getattr__(self, name):
+        value = super().__getattr__(name)
+        return value * 1.5 if name == "weight" else value
+
+
+class _SeqCallScaled(nn.Sequential):
+    def _call_impl(self, *args, **kwargs):
+        return super()._call_impl(*args, **kwargs) * 1.5
+
+
+@pytest.mark.parametrize("edit, redefined", [
+    (lambda m: m.__setitem__(2, _CallScaled(16, 8)), "__call__"),
+    (lambda m: m.__setitem__(2, _WeightScaled(16, 8)), "__getattr__"),
+    (lambda m: _SeqCallScaled(*m), "_call_impl"),
+])
+def test_layers_whose_class_redefines_the_call_path_refused(edit, redefined):
+    """A subclass of a bounded layer (or container) that keeps forward and layer_bound but redefines nn.Module's
+    __call__ (or _call_impl, or the attribute lookup that hands forward its weight) computes 1.5 times what its
+    bounds describe. With the scaling on the first layer it ran: the summed-gradient check is only necessary and
+    a 1.5x per-example gradient passed it on a real batch. Now refused by name, at make_private and at a step."""
+    model = _model()
+    edited = edit(model)
+    model = edited if edited is not None else model
+    with pytest.raises(BoundError, match=f"redefines nn.Module's {redefined}"):
+        _engine_setup(module=model)
+    if redefined == "__call__":  # the class swapped in after make_private
+        _, model, opt, _ = _engine_setup()
+        model[2].__class__ = _CallScaled
+        with pytest.raises(BoundError, match="redefines nn.Module's __call__|now a _CallScaled"):
+            empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
+            opt.step()
+
+
 def test_hooks_that_change_outputs_refused():
     model = _model()
     model[2].register_forward_hook(lambda m, a, out: out * 100)

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .certified import BoundError, DeclaredConstants, is_whole
-from .input_guard import global_hooks_registered, module_hooks, replaced_forward
+from .input_guard import global_hooks_registered, module_hooks, redefined_call_path, replaced_forward
 from .modules import BoundedModule, LayerBound, PerStepMechanism, Residual
 
 __all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound", "check_input_shape"]
@@ -271,6 +271,12 @@ class BoundEngine(DeclaredConstants):
                                  f"{', '.join(sorted(module.parametrizations))}: it computes with a function of its "
                                  "stored parameters that the bounds do not describe, and the projection would not "
                                  "reach the stored tensor; remove it (parametrize.remove_parametrizations)")
+            redefined = redefined_call_path(module)
+            if redefined:
+                raise BoundError(f"module '{name}' ({type(module).__name__}) redefines nn.Module's {redefined}: the "
+                                 "model would compute something other than the forward its bounds describe (a "
+                                 "__call__ that scales the output passes every check a forward is given); define "
+                                 "forward and layer_bound instead")
             replaced = replaced_forward(module)
             if replaced is None and isinstance(module, BoundedModule) and "layer_bound" in vars(module):
                 replaced = "layer_bound"  # an unchecked bound in place of the class's certified one
