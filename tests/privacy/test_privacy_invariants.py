@@ -246,28 +246,39 @@ def _other_dataset(data):
     return cl.ArrayDataset(1.0 - data.features, (data.labels + 1) % 3)
 
 
-def test_trainer_releases_nothing_unnoised():
-    """lr = 0: the weights never move, so every released field must be the same on neighbouring data: the log lines
-    and the result, wall-clock times included (they grow with the secret batch sizes: opt-in, labelled)."""
+def _bar_timing(text):
+    """Whether a tqdm bar's output shows a rate or a time (``12.3it/s``, ``[00:01<00:00``)."""
+    return any(mark in text for mark in ("it/s", "s/it", "[00:"))
+
+
+def test_trainer_releases_nothing_unnoised(capsys):
+    """lr = 0: the weights never move, so every released field must be the same on neighbouring data: the log lines,
+    the progress bar and the result, wall-clock times included (they grow with the secret batch sizes: opt-in,
+    labelled; the bar showed its rate and elapsed time by default)."""
     def release(data, **kw):
         model = _model()
         lines = []
         trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), cl.TauCrossEntropy(4.0), data,
                                     input_shape=SHAPE, batch_size=16, delta=1e-3, epochs=2, target_epsilon=2.0,
-                                    accountant="rdp", noise_seed=0, test_data=_data(32, seed=9), progress=False,
+                                    accountant="rdp", noise_seed=0, test_data=_data(32, seed=9), progress=True,
                                     log=lines.append, **kw)
-        return trainer.fit().to_dict(), lines
+        capsys.readouterr()
+        result = trainer.fit().to_dict()
+        return result, lines, capsys.readouterr().err
 
     data = _data()
-    assert release(data) == release(_other_dataset(data))
-    opted, lines = release(data, log_train_stats=True)
+    first = release(data)
+    assert "epoch 1" in first[2] and not _bar_timing(first[2])
+    assert first == release(_other_dataset(data))
+    opted, lines, bar = release(data, log_train_stats=True)
+    assert _bar_timing(bar)  # with the other timings, on request
     assert opted["nonprivate_wall_time_s"] > 0 and " nonprivate_epoch_time_s=" in lines[0]
     opted = _strip_times(opted)
     assert "nonprivate_train_loss" in opted["history"][0]  # only on request, and labelled
     assert opted != _strip_times(release(_other_dataset(data), log_train_stats=True)[0])  # (why it is opt-in)
 
 
-def test_pretrainer_releases_nothing_unnoised():
+def test_pretrainer_releases_nothing_unnoised(capsys):
     images = torch.rand(64, 1, 6, 6, generator=torch.Generator().manual_seed(0))
     other = torch.rand(64, 1, 6, 6, generator=torch.Generator().manual_seed(5))  # every pair changed
 
@@ -277,15 +288,20 @@ def test_pretrainer_releases_nothing_unnoised():
         trainer = cl.contrastive.ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.0),
                                            cl.contrastive.AugmentedPairs(imgs, padding=1, seed=3), batch_size=16, epochs=2,
                                            delta=1e-3, target_epsilon=3.0, accountant="rdp", noise_seed=1,
-                                           progress=False, log=None, **kw)
-        return trainer.fit().to_dict()
+                                           progress=True, log=None, **kw)
+        capsys.readouterr()
+        result = trainer.fit().to_dict()
+        return result, capsys.readouterr().err
 
-    assert release(images) == release(other)  # wall-clock time included: opt-in, labelled
-    opted = release(images, log_train_stats=True)
+    first = release(images)
+    assert "epoch 1" in first[1] and not _bar_timing(first[1])
+    assert first == release(other)  # wall-clock time and progress bar included: opt-in, labelled
+    opted, bar = release(images, log_train_stats=True)
+    assert _bar_timing(bar)
     assert opted["nonprivate_wall_time_s"] > 0
     opted = _strip_times(opted)
     assert "nonprivate_clipped_fraction" in opted["history"][1]
-    assert opted != _strip_times(release(other, log_train_stats=True))
+    assert opted != _strip_times(release(other, log_train_stats=True)[0])
 
 
 def test_cli_pretrain_evaluates_on_the_test_split_only(tmp_path):

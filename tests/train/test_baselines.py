@@ -24,7 +24,7 @@ def test_dpsgd_refuses_the_training_data_as_test_data(digits):
                     test_data=digits.train, progress=False)
 
 
-def test_dpsgd_meets_the_budget_and_learns(digits):
+def test_dpsgd_meets_the_budget_and_learns(digits, capsys):
     torch.manual_seed(0)
     model = standard_mlp(digits.input_shape, 10, hidden=(64,))
     result = train_dpsgd(model, digits.train, batch_size=256, epochs=15, delta=1e-5, max_grad_norm=1.0,
@@ -41,6 +41,12 @@ def test_dpsgd_meets_the_budget_and_learns(digits):
     timed = train_dpsgd(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=256, epochs=1,
                         delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0, progress=False, log_train_stats=True)
     assert timed.nonprivate_wall_time_s > 0
+    capsys.readouterr()  # and so is the progress bar's rate and elapsed time
+    for stats in (False, True):
+        train_dpsgd(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=256, epochs=1,
+                    delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0, log_train_stats=stats)
+        bar = capsys.readouterr().err
+        assert "dp-sgd (opacus)" in bar and ("it/s" in bar or "s/it" in bar) == stats
 
 
 def test_dpsgd_with_huge_noise_does_not_learn(digits):

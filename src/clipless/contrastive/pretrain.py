@@ -18,7 +18,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from ..data.datasets import check_finite, check_held_out
 from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_delta,
@@ -32,7 +31,7 @@ from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.input_guard import all_finite
 from ..privacy.privacy_engine import check_model_takes
-from ..privacy.sampling import expected_batch_size, loader_parts, poisson_data_loader, record_chunks
+from ..privacy.sampling import expected_batch_size, loader_parts, poisson_data_loader, record_chunks, step_progress
 from ..train.checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                                 fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                                 save_checkpoint)
@@ -442,8 +441,8 @@ class ContrastivePretrainer(DeclaredConstants):
         while self.epoch < self.epochs and not self._budget_spent():
             start = time.perf_counter()
             clipped = []
-            bar = tqdm(self.loader, desc=f"{self.method} epoch {self.epoch + 1}/{self.epochs}",
-                       disable=not self.progress, leave=False)
+            bar = step_progress(self.loader, desc=f"{self.method} epoch {self.epoch + 1}/{self.epochs}",
+                                timing=self.log_train_stats or self.accountant is None, disable=not self.progress)
             for xa, xb in bar:
                 if self._budget_spent():  # a fixed sigma with a target may allow fewer steps than the epochs
                     break

@@ -17,7 +17,7 @@ from .randomness import secret_generator
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
            "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS",
            "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS",
-           "loader_parts"]
+           "loader_parts", "step_progress"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
@@ -94,6 +94,20 @@ def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None, chunk:
     finally:
         if bar is not None:
             bar.close()
+
+
+# A bar's rate and elapsed time grow with the realised (secret) Poisson batch sizes: shown only where timings are
+# asked for (log_train_stats), as for the times in result files.
+_NO_TIMING_BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt}"
+
+
+def step_progress(iterable: Any = None, total: Optional[int] = None, desc: str = "", timing: bool = False,
+                  disable: bool = False) -> Any:
+    """A ``tqdm`` bar over private steps (or epochs): counts only, unless ``timing`` (then tqdm's rate and times too)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable,
+                bar_format=None if timing else _NO_TIMING_BAR)
 
 
 def expected_batch_size(batch_size: Any, records: int) -> float:

@@ -26,7 +26,7 @@ from ..nn.models import build_lr_schedule, build_optimizer
 from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.randomness import make_generator, randomness_label
-from ..privacy.sampling import loader_parts, poisson_data_loader
+from ..privacy.sampling import loader_parts, poisson_data_loader, step_progress
 from .evaluation import collect_outputs, predictions
 
 __all__ = ["BaselineResult", "standard_mlp", "standard_cnn", "train_dpsgd", "train_nonprivate", "predict_scores"]
@@ -175,7 +175,7 @@ def train_dpsgd(
                                   steps_per_epoch=len(loader), worker_options=loader_options)
     taken = 0
     start = time.perf_counter()
-    for _ in tqdm(range(epochs), desc="dp-sgd (opacus)", disable=not progress):
+    for _ in step_progress(range(epochs), desc="dp-sgd (opacus)", timing=log_train_stats, disable=not progress):
         for x, y in batches:
             if taken >= steps:  # a budget-capped plan (fixed sigma and a target) may stop mid-epoch
                 break

@@ -27,7 +27,7 @@ from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
-from ..privacy.sampling import dataset_size, expected_batch_size, loader_parts
+from ..privacy.sampling import dataset_size, expected_batch_size, loader_parts, step_progress
 from .checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                          fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                          save_checkpoint)
@@ -258,9 +258,8 @@ class PrivateTrainer(DeclaredConstants):
         batches = self.loader
         bar = None
         if self.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=min(len(batches), int(self.max_steps - self.steps)), desc=f"epoch {self.epoch + 1}", leave=False)
+            bar = step_progress(total=min(len(batches), int(self.max_steps - self.steps)),
+                                desc=f"epoch {self.epoch + 1}", timing=self.log_train_stats)
         for x, y in batches:  # fit() calls this only while steps < max_steps
             x, y = x.to(self.device), y.to(self.device)
             self.optimizer.zero_grad()
