@@ -30,7 +30,8 @@ def _setup(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=torch.optim.S
     return model, opt, loss, engine, data.features[:16], data.labels[:16]
 
 
-def _setup_with_loader(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=torch.optim.SGD, **kw):
+def _setup_with_loader(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=torch.optim.SGD, data_wrapper=None,
+                       **kw):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(96, *SHAPE, generator=gen)
@@ -40,7 +41,8 @@ def _setup_with_loader(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=t
     loss = loss or cl.TauCrossEntropy(2.0)
     engine = cl.PrivacyEngine("rdp")
     model, opt, loader = engine.make_private(
-        module=model, optimizer=optimizer_cls(model.parameters(), lr=lr), data=data, loss=loss,
+        module=model, optimizer=optimizer_cls(model.parameters(), lr=lr),
+        data=data if data_wrapper is None else data_wrapper(data), loss=loss,
         noise_multiplier=noise, input_shape=SHAPE, batch_size=16.0, input_bound=1.0, **kw)
     return model, opt, loss, engine, data, loader
 
@@ -274,6 +276,55 @@ def test_a_record_repeated_inside_the_batch_refused(slip):
         loss.per_example(model(xs), ys).sum().backward()
     message = _refused(opt, engine, "entered the private model's forwards in more rows than K")
     assert "x[idx]" in message and engine.accountant.steps == steps
+
+
+class _RecordsReadOneByOne(torch.utils.data.Dataset):
+    """The same records, not in memory: make_private reads them once to check them."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+@pytest.mark.parametrize("slip", ["own_loader_zipped", "replaced_by_index", "micro_batch_from_the_dataset",
+                                  "not_in_memory"])
+def test_training_records_the_batch_does_not_hold_refused(slip):
+    """Rows of the forwards that are training records the Poisson loader did not draw for this step: the batches of
+    a DataLoader of one's own zipped with the private loader (which counts the steps), or a row replaced by a record
+    taken from the dataset by index. Each such record is trained on at every such step, not at rate q. With no more
+    rows than drawn and no row repeated, these steps were released; the records' digests (taken when make_private
+    checks them, for data in memory or read) now tell them apart from transformed rows."""
+    model, opt, loss, engine, data, loader = _setup_with_loader(
+        data_wrapper=_RecordsReadOneByOne if slip == "not_in_memory" else None)
+    for bx, by in loader:
+        if len(bx) >= 2:
+            break
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+    drawn = {tuple(r.tolist()) for r in bx}
+    undrawn = [j for j in range(len(data)) if tuple(data.features[j].tolist()) not in drawn]
+    opt.zero_grad()
+    if slip == "own_loader_zipped":
+        mine = torch.utils.data.DataLoader(data, batch_size=1, shuffle=True)
+        x2, y2 = next(iter(mine))
+        while tuple(x2[0].tolist()) in drawn:
+            x2, y2 = next(iter(mine))
+        loss.per_example(model(x2), y2).sum().backward()
+    elif slip == "micro_batch_from_the_dataset":
+        loss.per_example(model(bx[:-1]), by[:-1]).sum().backward()
+        loss.per_example(model(data.features[undrawn[:1]]), data.labels[undrawn[:1]]).sum().backward()
+    else:
+        xs = bx.clone()
+        xs[0] = data.features[undrawn[0]]
+        loss.per_example(model(xs), by).sum().backward()
+    message = _refused(opt, engine, "is a training record that the batch drawn from the private loader does not hold")
+    assert "DataLoader of your own" in message
 
 
 def _dataset_with_duplicate_records():

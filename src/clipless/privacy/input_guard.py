@@ -57,7 +57,8 @@ from .certified import BoundError, DeclaredConstants, ieee_convolutions, ieee_ma
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
            "redefined_call_path",
-           "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "backward_pass_id",
+           "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "undrawn_records",
+           "backward_pass_id",
            "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound", "all_finite"]
 
 # Relative slack for float32 rounding of a loss gradient whose exact norm is at most L.
@@ -151,6 +152,21 @@ def rows_repeated(inputs: torch.Tensor, references: Sequence[torch.Tensor], k: i
         matched = torch.where(hit, torch.maximum(matched, k * known_counts[where]), matched)
     allowed = torch.where(matched > 0, matched, torch.full_like(counts, k * largest))
     return bool((counts > allowed).any())
+
+
+def undrawn_records(inputs: torch.Tensor, references: Sequence[torch.Tensor], records: Optional[torch.Tensor]) -> bool:
+    """Whether a row that entered the forwards (``inputs``: their row digests) equals a training record
+    (``records``: the sorted digests of the training set's rows) that no reference tensor of the drawn batch holds:
+    a record the Poisson sampler did not draw for this step (a batch of another loader, a row taken by index)."""
+    if records is None or records.numel() == 0 or inputs.numel() == 0:
+        return False
+    values = torch.unique(inputs)
+    where = torch.searchsorted(records, values).clamp_max(len(records) - 1)
+    undrawn = records[where] == values
+    for ref in references:
+        if ref.numel():
+            undrawn &= ~torch.isin(values, ref)
+    return bool(undrawn.any())
 
 
 def largest_norm(x: torch.Tensor, bound: float) -> float:

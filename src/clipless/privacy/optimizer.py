@@ -24,7 +24,7 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import InputGuard, StepGuard, rows_repeated, unwatched
+from .input_guard import InputGuard, StepGuard, rows_repeated, undrawn_records, unwatched
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
 from .randomness import resume_generator, saved_generator_state, secret_generator
@@ -164,6 +164,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
+        self._record_digests: Optional[torch.Tensor] = None  # sorted digests of the training records
         self._watched: Tuple[Any, ...] = ()  # the sampler and input guard: their declared constants, every step
         self._steps_released = 0  # by this optimizer, in this process
         self._retire_earlier(bound_engine.model)
@@ -262,7 +263,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             raise BoundError(why)
 
     def watch_batches(self, loader: PoissonDataLoader, external_batches: bool = False,
-                      input_guard: Optional[InputGuard] = None) -> None:
+                      input_guard: Optional[InputGuard] = None, record_digests: Optional[torch.Tensor] = None) -> None:
         """Each step must then release exactly one new batch of ``loader``.
 
         The accountant composes one Poisson-subsampled Gaussian per step.  Two steps on one batch are not two
@@ -273,11 +274,13 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         Poisson batches at the same rate itself; those, and rows mixing several examples, cannot be checked.
         A refused step spends the batches drawn before it.  The loader's batch sampler (its inclusion rate) and
         ``input_guard`` (the data bound it checks, and that it still checks the forwards) are compared with their
-        values now at every forward and step."""
+        values now at every forward and step.  ``record_digests``: the row digests of the training records (those
+        read by the record check); a step whose forwards saw one of them that the batch does not hold is refused."""
         self._check_settings()  # a new snapshot must not hide a change made before it
         self._batches = loader
         self._batches_released = loader.batches_drawn
         self._external_batches = bool(external_batches)
+        self._record_digests = None if record_digests is None else torch.unique(record_digests)  # sorted
         self.guard.digest_inputs = True  # the rows of its batches are checked against the forwards' inputs
         self._watched = (loader.batch_sampler, input_guard)
         self._frozen = self._settings()
@@ -333,6 +336,14 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "augmentation_multiplicity=K and backpropagate the mean over each example's K rows (a "
                              "transform in the loop that maps distinct records to equal rows, such as rounding, "
                              "looks the same: apply it in the Dataset)")
+        if undrawn_records(self.guard.released_digests(), references, self._record_digests):
+            raise BoundError("a row that entered the private model's forwards is a training record that the batch "
+                             "drawn from the private loader does not hold: batches from a DataLoader of your own (say "
+                             "zipped with the private loader to count steps) or records taken from the dataset by "
+                             "index are not the Poisson sample the accountant composes, and that record would be "
+                             "used at every such step; train on the rows of the loader's batches (a transform in the "
+                             "loop that maps a drawn record to another record's exact values looks the same: apply "
+                             "it in the Dataset)")
 
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_model_state(self.bound_engine.model))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -17,7 +17,8 @@ from .calibration import plan_noise, planned_steps
 from .certified import BoundError, is_real
 from .distributed import (DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks,
                           same_outcome_on_all_ranks, world)
-from .input_guard import DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite
+from .input_guard import (DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite,
+                          row_digests)
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
 from .sampling import (dataset_size, expected_batch_size, in_memory_records, loader_parts, poisson_data_loader,
@@ -83,7 +84,7 @@ def check_model_takes(model: nn.Module, dtype: torch.dtype, input_shape: Tuple[i
 def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLoss, input_shape: Tuple[int, ...],
                           output_shape: Tuple[int, ...], data_bound: Optional[float] = None, read: bool = True,
                           indices: Optional[Sequence[int]] = None, progress: bool = False,
-                          model: Optional[nn.Module] = None) -> None:
+                          model: Optional[nn.Module] = None, digests: Optional[List[torch.Tensor]] = None) -> None:
     """Every record of ``data`` (of ``indices`` if given), checked as the private step checks a batch, before any
     step: its per-example shape, its dtype (float32 or float64, and one ``model``'s forward takes:
     :func:`check_model_takes`), finite values, the data bound (training data) and
@@ -92,7 +93,8 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
     record, or never.  An in-memory dataset is checked from its tensors; another is read once in order
     (:func:`~clipless.privacy.sampling.record_chunks`; ``progress``: with a bar), unless ``read=False``.  A dataset
     whose records change from one read to the next (random transforms in ``__getitem__``) is checked on the draws
-    read here; the step checks its later draws."""
+    read here; the step checks its later draws.  ``digests``, a list, receives the row digests of the records
+    checked (:func:`~clipless.privacy.input_guard.row_digests`)."""
     if data is None or (not read and in_memory_records(data) is None):
         return
     taken = set()
@@ -109,6 +111,8 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
             taken.add(inputs.dtype)
         if not all_finite(inputs):
             raise ValueError(f"{what} contains NaN or infinite values; clean the data before private training")
+        if digests is not None:
+            digests.append(row_digests(inputs))
         if data_bound is not None and above_data_bound(inputs, data_bound):
             raise BoundError(f"{what}: a record {DATA_BOUND_REFUSAL.format(bound=data_bound)}")
         try:
@@ -262,16 +266,19 @@ class PrivacyEngine(DeclaredConstants):
         x0, data_bound = resolve_input_bound(module, input_bound)
         engine = BoundEngine(module, input_shape, x0, loss)
         probe = None if external_batches else module  # the records reach the model only through the Poisson loader
+        # the records' digests, against which each step's rows are checked (none for batches drawn elsewhere)
+        digests: Optional[List[torch.Tensor]] = None if external_batches else []
         if distributed:  # each rank reads its own shard; a refusal on one is a refusal on all (no rank left waiting)
             same_outcome_on_all_ranks(lambda: check_dataset_records(
                 dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound,
-                read=check_records, indices=range(rank, n, world_size), progress=progress, model=probe),
+                read=check_records, indices=range(rank, n, world_size), progress=progress, model=probe,
+                digests=digests),
                 device=next((p.device for p in module.parameters()), torch.device("cpu")),  # NCCL: CUDA tensors only
                 refused="refused a record of their shard of the training data (their error says which check): no "
                         "rank goes on; clean the data")
         else:
             check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape,
-                                  data_bound, read=check_records, progress=progress, model=probe)
+                                  data_bound, read=check_records, progress=progress, model=probe, digests=digests)
         steps_per_epoch = max(1, round(1.0 / sample_rate))
         plan = plan_noise(
             engine.compute(),
@@ -297,7 +304,8 @@ class PrivacyEngine(DeclaredConstants):
         else:
             loader = poisson_data_loader(dataset, sample_rate, generator=sampling_generator,
                                          steps_per_epoch=steps_per_epoch, worker_options=loader_options)
-        dp_optimizer.watch_batches(loader, external_batches, input_guard=self.guard)
+        dp_optimizer.watch_batches(loader, external_batches, input_guard=self.guard,
+                                   record_digests=torch.cat(digests) if digests else None)
         return wrapped, dp_optimizer, loader
 
     def make_private_with_epsilon(
