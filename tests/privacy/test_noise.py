@@ -17,7 +17,7 @@ from clipless.privacy.noise import SECURE_DRAWS, add_gaussian_noise_, gaussian, 
 def test_a_secure_draw_is_the_scaled_sum_of_four_plain_draws_and_standard_normal():
     torch.manual_seed(0)
     plain = torch.Generator().manual_seed(7)
-    draws = [torch.randn(5000, generator=plain, dtype=torch.float64) for _ in range(SECURE_DRAWS)]
+    draws = [noise._box_muller((5000,), plain, "cpu", torch.float64) for _ in range(SECURE_DRAWS)]
     secure = gaussian(5000, torch.Generator().manual_seed(7), dtype=torch.float64, secure=True)
     assert SECURE_DRAWS == 4 and torch.allclose(secure, sum(draws) / 2, rtol=0, atol=1e-15)
     assert torch.equal(gaussian(5000, torch.Generator().manual_seed(7), dtype=torch.float64), draws[0])
@@ -31,6 +31,43 @@ def test_a_secure_draw_is_the_scaled_sum_of_four_plain_draws_and_standard_normal
     # float32 draws too (the dtype of the weights), and a scalar (a count's noise)
     assert gaussian((3, 4), None, dtype=torch.float32, secure=True).dtype == torch.float32
     assert gaussian((), None, dtype=torch.float64, secure=True).shape == ()
+
+
+def test_the_noise_tails_reach_past_torchs_float32_bound(monkeypatch):
+    """Torch's float32 randn on the CPU takes its Box-Muller radius from a 24-bit uniform, so no draw exceeds
+    sqrt(2 ln 2^24) = 5.77 (max over 1e9 draws: 5.759; a true Gaussian's is about 6.1): a noise coordinate beyond
+    5.77 std from one neighbour's sum then proves the other, a chance per step of P(Z > 5.77 - shift / std) that no
+    accountant counts. A 53-bit uniform alone would stop at sqrt(2 ln 2^53) = 8.57. The radius now comes from an
+    exponential redrawn past 20 ln 2 (memoryless), without a bound: three extreme uniforms in a row take it past 9."""
+    real_rand = torch.rand
+    extreme = [3]
+
+    def extreme_first(*args, **kwargs):  # the generator's own draws; the first of the next three float64 at 1 - 2^-53
+        out = real_rand(*args, **kwargs)
+        if out.dtype == torch.float64 and extreme[0] > 0:
+            out.view(-1)[0] = 1 - 2.0 ** -53
+            extreme[0] -= 1
+        return out
+
+    monkeypatch.setattr(noise.torch, "rand", extreme_first)
+    for dtype in (torch.float32, torch.float64):
+        extreme[0] = 3
+        z = gaussian(1000, torch.Generator().manual_seed(0), dtype=dtype)
+        radius = math.hypot(float(z[0]), float(z[500]))  # the first radius, times the cosine and sine of its angle
+        assert z.dtype == dtype and radius > math.sqrt(2 * 3 * 20 * math.log(2)) > 9.1
+    monkeypatch.setattr(noise.torch, "rand", real_rand)
+    # the redraw keeps the law: with the level at 1 (a third of the draws redrawn, some several times), Exp(1) still
+    monkeypatch.setattr(noise, "_TAIL_LEVEL", 1.0)
+    e = noise._exponential(1_000_000, torch.Generator().manual_seed(3), "cpu")
+    assert abs(float(e.mean()) - 1) < 0.005 and abs(float(e.var()) - 1) < 0.01
+    for t in (1.0, 3.0, 6.0):
+        assert abs(float((e > t).double().mean()) - math.exp(-t)) < 4 * math.sqrt(math.exp(-t) / e.numel())
+    monkeypatch.undo()
+    # and the Gaussian tails keep their weight: counts beyond 4 and 4.5 in 2e7 draws, within 4 standard errors
+    z = gaussian(20_000_000, torch.Generator().manual_seed(2)).abs()
+    for t in (4.0, 4.5):
+        expected = z.numel() * math.erfc(t / math.sqrt(2))
+        assert abs(int((z > t).sum()) - expected) < 4 * math.sqrt(expected)
 
 
 def test_the_noise_primitives_draw_securely_on_request():
@@ -58,11 +95,11 @@ def _private(secure_noise, model=None, **kwargs):
 
 def test_a_secure_private_step_draws_four_times_and_stays_a_declared_constant(monkeypatch):
     calls = []
-    randn = torch.randn
+    draw = noise._box_muller
 
     def counted(*args, **kwargs):
         calls.append(args[0])
-        return randn(*args, **kwargs)
+        return draw(*args, **kwargs)
 
     for secure, draws in ((False, 1), (True, SECURE_DRAWS)):
         model, opt, loader = _private(secure)
@@ -70,9 +107,9 @@ def test_a_secure_private_step_draws_four_times_and_stays_a_declared_constant(mo
         opt.zero_grad()
         cl.TauCrossEntropy().per_example(model(x), y).sum().backward()
         calls.clear()
-        monkeypatch.setattr(noise.torch, "randn", counted)
+        monkeypatch.setattr(noise, "_box_muller", counted)
         opt.step()
-        monkeypatch.setattr(noise.torch, "randn", randn)
+        monkeypatch.setattr(noise, "_box_muller", draw)
         assert len(calls) == draws  # one weight (no bias): its noise, drawn once or four times
         assert opt.secure_noise is secure
     with pytest.raises(AttributeError, match="secure_noise is a declared constant"):

@@ -29,6 +29,7 @@ from ..nn.functional import finite_at_least
 from ..privacy.accounting import check_positive_finite
 from ..privacy.certified import is_whole, whole_number
 from ..privacy import secret_generator
+from ..privacy.noise import gaussian
 from .networks import (
     INIT_SCHEMES,
     LinearizedNetwork,
@@ -244,7 +245,7 @@ def noisy_gradient_descent(
         losses.append(geometry.train_loss)
         with torch.no_grad():
             for p, g in zip(params, geometry.mean_grad):
-                noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
+                noise = gaussian(p.shape, generator, p.device, p.dtype)  # tails not cut at 5.77 as float32 randn
                 p.add_(-eta * (g + weight_decay * p) + std * noise)
         if not (torch.isfinite(gaps[-1]).all() and all(torch.isfinite(p).all() for p in params)):
             # every later gap, and so the KL, would be NaN: stop where the trajectory left the finite numbers
