@@ -136,3 +136,26 @@ def test_trainer_refuses_augmult_on_vector_inputs_without_an_augment_function() 
         cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(4.0), data,
                           input_shape=(36,), batch_size=8, delta=1e-5, epochs=1, noise_multiplier=1.0,
                           input_bound=1.0, progress=False, log=None, augmentation_multiplicity=2)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_trainer_augmented_rows_equal_to_an_undrawn_record_pass(k) -> None:
+    """The step refuses a row equal to a training record the batch does not hold (a batch of another loader) and a
+    row repeated more often than the batch holds it (x[idx]); the trainer's own augmented copies may look like
+    either: here record 1, a single pixel at a corner, shifted off the image is the blank record 0, whether or not
+    record 0 was drawn too. The trainer tells the optimizer which rows it derived from the batch, so every step of
+    the run is released (before, a step with records 0 and 1 in the batch and record 1 shifted off was refused)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(16, *SHAPE, generator=gen)
+    x = x / x.flatten(1).norm(dim=1)[:, None, None, None]
+    x[0] = 0.0
+    x[1] = 0.0
+    x[1, 0, 0, 0] = 1.0
+    data = cl.ArrayDataset(x, torch.randint(0, 3, (16,), generator=gen))
+    torch.manual_seed(0)
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,))
+    trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(4.0), data,
+                                input_shape=SHAPE, batch_size=8, delta=1e-5, epochs=40, noise_multiplier=1.0,
+                                target_epsilon=1e3, input_bound=1.0, progress=False, log=None,
+                                augmentation_multiplicity=k, augment=ImageAugmentation(2))
+    assert trainer.fit().steps == 80

@@ -24,7 +24,7 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import InputGuard, StepGuard, rows_repeated, undrawn_records, unwatched
+from .input_guard import InputGuard, StepGuard, row_digests, rows_repeated, undrawn_records, unwatched
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
 from .randomness import resume_generator, saved_generator_state, secret_generator
@@ -165,6 +165,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self._batches_released = 0
         self._external_batches = False
         self._record_digests: Optional[torch.Tensor] = None  # sorted digests of the training records
+        self._derived: Tuple[int, List[torch.Tensor]] = (-1, [])  # rows made from the batch drawn n-th: (n, digests)
         self._watched: Tuple[Any, ...] = ()  # the sampler and input guard: their declared constants, every step
         self._steps_released = 0  # by this optimizer, in this process
         self._retire_earlier(bound_engine.model)
@@ -309,6 +310,17 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "in one step are not what the accountant composes, and skipping a batch reveals its "
                              "size; a wrapper that draws batches ahead of the loop is refused for the same reason)")
 
+    def derived_rows_(self, rows: torch.Tensor) -> None:
+        """Rows the loop made from the batch just drawn, one per example and copy, such as its augmented copies: they
+        may equal another record's exact values (a near-blank image shifted off its content equals a blank record),
+        or each other's, without being that record or a repeat, so the row checks count them as drawn rows."""
+        loader = self._loader_in_use()
+        if loader is None:
+            return
+        if self._derived[0] != loader.batches_drawn:
+            self._derived = (loader.batches_drawn, [])
+        self._derived[1].append(row_digests(rows.detach()))
+
     def _check_rows(self) -> None:
         """More output rows than the drawn batch holds (times K) means some example was used twice: a row
         duplicated or an augmented copy added without ``augmentation_multiplicity``, each at full weight; so does
@@ -327,6 +339,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "the mean over each example's K rows")
         shape = self.bound_engine.input_shape
         references = [d for row_shape, d in loader.last_batch_digests if row_shape == shape]
+        if self._derived[0] == loader.batches_drawn:  # rows made from this batch count as drawn, each copy once
+            references += self._derived[1]
         if rows_repeated(self.guard.released_digests(), references, k):
             raise BoundError(f"a record of the batch entered the private model's forwards in more rows than K = {k} "
                              "times the batch drawn from the private loader holds it (rows repeated inside the "

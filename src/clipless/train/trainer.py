@@ -266,6 +266,7 @@ class PrivateTrainer(DeclaredConstants):
             k = self.augmentation_multiplicity
             if self.augment is not None:  # K stacked augmented copies of the batch (k-major rows)
                 x = torch.cat([self.augment(x, self.augment_generator) for _ in range(k)])
+                self.optimizer.derived_rows_(x)  # shifted copies of the drawn records, whatever record they equal
                 y = y.repeat(k)
             logits = self.model(x)
             per_row = self.loss.per_example(logits, y)
