@@ -68,7 +68,7 @@ def _box_muller(shape: Any, generator: Optional[torch.Generator], device: Any, d
     Torch's float32 ``randn`` on the CPU takes ``E = -ln(1 - u)`` from a 24-bit ``u`` and never exceeds
     ``sqrt(2 ln 2^24) = 5.77``: a noise coordinate more than 5.77 std from one neighbour's sum then proves the
     other, a chance per step of ``P(Z > 5.77 - shift / std)`` (1e-5 for a shift of 1.5 std), outside any accountant."""
-    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,) if shape != () else ())
+    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
     n = shape.numel()
     half = (n + 1) // 2
     radius = _exponential(half, generator, device).mul_(2).sqrt_().to(dtype)

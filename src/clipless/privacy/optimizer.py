@@ -341,7 +341,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         references = [d for row_shape, d in loader.last_batch_digests if row_shape == shape]
         if self._derived[0] == loader.batches_drawn:  # rows made from this batch count as drawn, each copy once
             references += self._derived[1]
-        if rows_repeated(self.guard.released_digests(), references, k):
+        seen = self.guard.released_digests()
+        if rows_repeated(seen, references, k):
             raise BoundError(f"a record of the batch entered the private model's forwards in more rows than K = {k} "
                              "times the batch drawn from the private loader holds it (rows repeated inside the "
                              "batch: resampling or class balancing by index, x[idx]): each copy at full weight "
@@ -350,7 +351,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "augmentation_multiplicity=K and backpropagate the mean over each example's K rows (a "
                              "transform in the loop that maps distinct records to equal rows, such as rounding, "
                              "looks the same: apply it in the Dataset)")
-        if undrawn_records(self.guard.released_digests(), references, self._record_digests):
+        if undrawn_records(seen, references, self._record_digests):
             raise BoundError("a row that entered the private model's forwards is a training record that the batch "
                              "drawn from the private loader does not hold: batches from a DataLoader of your own (say "
                              "zipped with the private loader to count steps) or records taken from the dataset by "
