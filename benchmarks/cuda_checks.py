@@ -8,6 +8,8 @@
    on the GPU; two with the same fixed noise seed release the same.
 3. True per-example gradient norms (autograd, one example at a time, on the GPU in IEEE float32) against the
    certified bounds of the CNN and the MLP, over random inputs on the input bound.
+4. Row digests of a batch agree on the CPU (where the loader digests it) and on the GPU (the forward's rows), and
+   a step on the GPU whose forward repeats a drawn record (``x[idx]``) is refused.
 """
 
 from __future__ import annotations
@@ -102,6 +104,28 @@ def main() -> None:
         norms = per_example_gradient_norms(net, loss, xs, ys, report)
         record[f"{name}_max_gradient_over_bound"] = max(float(norms[layer.name].max()) / layer.bound
                                                         for layer in report.layers if layer.bound > 0)
+    from clipless.privacy.input_guard import row_digests
+
+    batch = torch.rand(32, 1, 12, 12)
+    record["row_digests_agree_across_devices"] = torch.equal(row_digests(batch), row_digests(batch.to(device)).cpu())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(64, 1, 12, 12, generator=gen)
+    data = cl.ArrayDataset(x / x.flatten(1).norm(dim=1).reshape(-1, 1, 1, 1), torch.randint(0, 10, (64,)))
+    net = copy.deepcopy(mlp).to(device)
+    model, opt, loader = cl.PrivacyEngine("rdp").make_private(
+        module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), data=data,
+        loss=cl.TauCrossEntropy(8.0), noise_multiplier=1.0, input_shape=(1, 12, 12), batch_size=16.0,
+        input_bound=1.0)
+    for bx, by in loader:
+        if len(bx) >= 2:
+            break
+    idx = torch.zeros(len(bx), dtype=torch.long)  # record 0 of the batch in every row
+    cl.TauCrossEntropy(8.0).per_example(model(bx[idx].to(device)), by[idx].to(device)).sum().backward()
+    try:
+        opt.step()
+        record["repeated_rows_on_device"] = "released"
+    except BoundError as err:
+        record["repeated_rows_on_device"] = f"refused: {str(err)[:80]}"
     for key, value in record.items():
         print(f"{key}: {value}")
     write_json(args.out, record)

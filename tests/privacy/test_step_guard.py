@@ -365,6 +365,18 @@ def test_rows_repeated_no_more_than_the_batch_holds_them_are_accepted(how):
     assert engine.accountant.steps == 3
 
 
+def test_row_digests_use_the_same_weights_on_every_device():
+    """The loader digests its batch on the CPU and the step digests the forward's rows where they run: on a GPU the
+    weights were drawn afresh per device, so no row of a CUDA forward ever matched the batch and the row checks
+    (repeats, undrawn records) were blind there. Two device keys now share one draw (checked here with "cpu" and
+    "cpu:0", two keys of one device; the products are exact integers, so the digests agree across devices)."""
+    from clipless.privacy.input_guard import _digest_weights
+
+    host = _digest_weights(17, 11, 3, torch.device("cpu"))
+    other = _digest_weights(17, 11, 3, torch.device("cpu", 0))
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(host, other))
+
+
 @pytest.mark.parametrize("shape", [(3, 5), (3, 40, 40)])  # short rows: 32-bit words; long ones: 16-bit words
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.uint8, torch.int64, torch.bool])
 def test_row_digests_depend_only_on_a_rows_bytes(dtype, shape):

@@ -83,12 +83,17 @@ _DIGEST_WEIGHTS: Dict[Tuple[int, int, int, str], Tuple[torch.Tensor, torch.Tenso
 
 
 def _digest_weights(cols: int, bits: int, forms: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Random ``(cols, forms)`` integer weights below ``2^bits`` (as float64) and odd int64 mixers, per process."""
+    """Random ``(cols, forms)`` integer weights below ``2^bits`` (as float64) and odd int64 mixers, per process and
+    the same on every device: a batch digested on the CPU (the loader's) and on a GPU (the forward's) must agree."""
     key = (cols, bits, forms, str(device))
     if key not in _DIGEST_WEIGHTS:
-        generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
-        weights = torch.randint(0, 2**bits, (cols, forms), generator=generator).to(torch.float64)
-        mixers = torch.randint(-2**62, 2**62, (forms,), dtype=torch.int64, generator=generator) * 2 + 1
+        host = (cols, bits, forms, "cpu")
+        if host not in _DIGEST_WEIGHTS:
+            generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+            weights = torch.randint(0, 2**bits, (cols, forms), generator=generator).to(torch.float64)
+            mixers = torch.randint(-2**62, 2**62, (forms,), dtype=torch.int64, generator=generator) * 2 + 1
+            _DIGEST_WEIGHTS[host] = (weights, mixers)
+        weights, mixers = _DIGEST_WEIGHTS[host]
         _DIGEST_WEIGHTS[key] = (weights.to(device), mixers.to(device))
     return _DIGEST_WEIGHTS[key]
 
