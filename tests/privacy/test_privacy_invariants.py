@@ -616,6 +616,30 @@ def test_layers_whose_class_redefines_the_call_path_refused(edit, redefined):
             opt.step()
 
 
+def _scaled_forward(cls, factor=1.5):
+    forward = cls.forward
+    return lambda self, *args: forward(self, *args) * factor
+
+
+@pytest.mark.parametrize("cls, name, value", [
+    (cl.LipschitzLinear, "forward", lambda: _scaled_forward(cl.LipschitzLinear)),
+    (cl.MaxMin, "forward", lambda: _scaled_forward(cl.MaxMin)),
+    (nn.Sequential, "forward", lambda: _scaled_forward(nn.Sequential)),
+    (cl.LipschitzLinear, "layer_bound", lambda: lambda self, x_bound, shape: LayerBound(0.5, 0.5 * x_bound)),
+    (cl.LipschitzLinear, "project_", lambda: lambda self: None),
+])
+def test_methods_replaced_on_a_layer_class_after_make_private_refused(monkeypatch, cls, name, value):
+    """A method assigned on the class (``LipschitzLinear.forward = ...``) after make_private changes every instance
+    past the instance-level checks: a 1.5x forward on the first layer passed the summed-gradient check (only
+    necessary). The classes' methods are now compared at every forward and step with those the bounds were set up
+    with. Here the batch is empty, so only that comparison can refuse."""
+    _, model, opt, _ = _engine_setup()
+    monkeypatch.setattr(cls, name, value())
+    with pytest.raises(BoundError, match=f"its class's {name} changed after the bounds were set up"):
+        empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
+        opt.step()
+
+
 def test_hooks_that_change_outputs_refused():
     model = _model()
     model[2].register_forward_hook(lambda m, a, out: out * 100)

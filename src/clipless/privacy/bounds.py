@@ -91,6 +91,12 @@ _TORCH_SETTINGS: Dict[type, Tuple[str, ...]] = {
 }
 
 
+# The methods a module's class computes with, compared at every forward and step with their values when the bounds
+# were set up.
+_CLASS_METHODS = ("forward", "layer_bound", "project_", "per_example", "__call__", "_call_impl", "_wrapped_call_impl",
+                  "__getattr__")
+
+
 def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]) -> Optional[LayerBound]:
     """The bound of a parameter-free torch layer the engine knows, or ``None``.
 
@@ -316,6 +322,11 @@ class BoundEngine(DeclaredConstants):
                   if isinstance(obj, DeclaredConstants) for name, value in obj.declared_values()]
         values += [(owner, type(obj).__name__, name, getattr(obj, name, None)) for owner, obj in owners
                    for name in _TORCH_SETTINGS.get(type(obj), ())]
+        # what each module's class computes with: a method assigned on the class (Layer.forward = ...) after the
+        # bounds were set up changes every instance, past every instance-level check
+        values += [(owner, type(obj).__name__, _CLASS_METHODS, tuple(getattr(type(obj), k, None)
+                                                                     for k in _CLASS_METHODS))
+                   for owner, obj in owners if isinstance(obj, nn.Module)]
         return tuple(values)
 
     def declared_change(self) -> Optional[str]:
@@ -338,6 +349,11 @@ class BoundEngine(DeclaredConstants):
                 owner, cls, name, value = before
                 if before[:3] != now[:3]:
                     return f"{owner} ({cls}) is now a {now[1]} with other constants than the bounds were set up for"
+                if name == _CLASS_METHODS:
+                    changed = [k for k, a, b in zip(_CLASS_METHODS, value, now[3]) if a is not b]
+                    return (f"{owner} ({cls}): its class's {', '.join(changed)} changed after the bounds were set up "
+                            f"(assigned on the class, e.g. {cls}.{changed[0]} = ...): the bounds describe the old "
+                            "one; define a subclass with its own forward and layer_bound instead")
                 return (f"{owner} ({cls}): its constant {name} changed from {value!r} to {now[3]!r} after the bounds "
                         f"were set up (a declared constant written past its read-only guard, or a torch layer's "
                         f"setting): the bounds and noise plan describe the old value; build a new {cls} and make "

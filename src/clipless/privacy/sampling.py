@@ -103,7 +103,8 @@ _NO_TIMING_BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt}"
 
 def step_progress(iterable: Any = None, total: Optional[int] = None, desc: str = "", timing: bool = False,
                   disable: bool = False) -> Any:
-    """A ``tqdm`` bar over private steps (or epochs): counts only, unless ``timing`` (then tqdm's rate and times too)."""
+    """A ``tqdm`` bar over private steps (or epochs): counts only, unless ``timing`` (then tqdm's rate and times
+    too)."""
     from tqdm.auto import tqdm
 
     return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable,
