@@ -37,31 +37,40 @@ def test_the_noise_tails_reach_past_torchs_float32_bound(monkeypatch):
     """Torch's float32 randn on the CPU takes its Box-Muller radius from a 24-bit uniform, so no draw exceeds
     sqrt(2 ln 2^24) = 5.77 (max over 1e9 draws: 5.759; a true Gaussian's is about 6.1): a noise coordinate beyond
     5.77 std from one neighbour's sum then proves the other, a chance per step of P(Z > 5.77 - shift / std) that no
-    accountant counts. A 53-bit uniform alone would stop at sqrt(2 ln 2^53) = 8.57. The radius now comes from an
-    exponential redrawn past 20 ln 2 (memoryless), without a bound: three extreme uniforms in a row take it past 9."""
-    real_rand = torch.rand
-    extreme = [3]
+    accountant counts. The radius now comes from an exponential redrawn past 20 ln 2 (memoryless), without a bound:
+    the most extreme first uniform (39 bits) and two extreme redraws (53 bits) take it past 9."""
+    real_bits, real_rand = noise._pair_bits, torch.rand
+    redraws = [2]
 
-    def extreme_first(*args, **kwargs):  # the generator's own draws; the first of the next three float64 at 1 - 2^-53
+    def extreme_bits(*args, **kwargs):  # the generator's own draws, the first pair's radius bits all ones
+        bits = real_bits(*args, **kwargs)
+        bits[0] = ((2 ** 39 - 1) << 24) | (bits[0] & (2 ** 24 - 1))
+        return bits
+
+    def extreme_rand(*args, **kwargs):  # the first of the next two float64 draws at 1 - 2^-53
         out = real_rand(*args, **kwargs)
-        if out.dtype == torch.float64 and extreme[0] > 0:
+        if out.dtype == torch.float64 and redraws[0] > 0:
             out.view(-1)[0] = 1 - 2.0 ** -53
-            extreme[0] -= 1
+            redraws[0] -= 1
         return out
 
-    monkeypatch.setattr(noise.torch, "rand", extreme_first)
+    monkeypatch.setattr(noise, "_pair_bits", extreme_bits)
+    monkeypatch.setattr(noise.torch, "rand", extreme_rand)
     for dtype in (torch.float32, torch.float64):
-        extreme[0] = 3
+        redraws[0] = 2
         z = gaussian(1000, torch.Generator().manual_seed(0), dtype=dtype)
         radius = math.hypot(float(z[0]), float(z[500]))  # the first radius, times the cosine and sine of its angle
         assert z.dtype == dtype and radius > math.sqrt(2 * 3 * 20 * math.log(2)) > 9.1
-    monkeypatch.setattr(noise.torch, "rand", real_rand)
-    # the redraw keeps the law: with the level at 1 (a third of the draws redrawn, some several times), Exp(1) still
+    monkeypatch.undo()
+    # the redraw keeps the law: with the level at 1 (a third of the draws redrawn, some several times), Exp(1) still,
+    # and so do the normals
     monkeypatch.setattr(noise, "_TAIL_LEVEL", 1.0)
     e = noise._exponential(1_000_000, torch.Generator().manual_seed(3), "cpu")
     assert abs(float(e.mean()) - 1) < 0.005 and abs(float(e.var()) - 1) < 0.01
     for t in (1.0, 3.0, 6.0):
         assert abs(float((e > t).double().mean()) - math.exp(-t)) < 4 * math.sqrt(math.exp(-t) / e.numel())
+    z = gaussian(1_000_000, torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert abs(float(z.mean())) < 0.005 and abs(float(z.var()) - 1) < 0.01
     monkeypatch.undo()
     # and the Gaussian tails keep their weight: counts beyond 4 and 4.5 in 2e7 draws, within 4 standard errors
     z = gaussian(20_000_000, torch.Generator().manual_seed(2)).abs()

@@ -43,36 +43,53 @@ def check_secure_flag(secure: Any) -> bool:
 # Box-Muller's squared radius over 2 is Exp(1), -ln(1 - u); past this level a draw is redrawn (memoryless), so the
 # uniforms' resolution sets no bound on the radius.
 _TAIL_LEVEL = 20 * math.log(2.0)
+# Of one 63-bit draw per pair of normals: the radius's uniform takes 39 bits, the angle's the other 24.
+_RADIUS_BITS, _ANGLE_BITS = 39, 24
 
 
-def _exponential(n: int, generator: Optional[torch.Generator], device: Any) -> torch.Tensor:
-    """``n`` Exp(1) draws in float64, ``-ln(1 - u)`` for a 53-bit uniform ``u``, with unbounded support: a draw
-    above ``20 ln 2`` (``1 - u < 2^-20``, probability ``2^-20``) is replaced by ``20 ln 2`` plus a fresh draw, its
-    conditional law (and so on); alone, ``1 - u >= 2^-53`` would stop every draw at ``53 ln 2``."""
-    def draw(k: int) -> torch.Tensor:
-        return torch.rand(k, generator=generator, device=device, dtype=torch.float64).neg_().add_(1).log_().neg_()
+def _pair_bits(n: int, generator: Optional[torch.Generator], device: Any) -> torch.Tensor:
+    """``n`` integers uniform on ``[0, 2^63)``, one per pair of normals."""
+    return torch.empty(n, dtype=torch.int64, device=device).random_(generator=generator)
 
-    total = draw(n)
-    if n == 0 or float(total.max()) <= _TAIL_LEVEL:  # the usual case: one pass, no index
+
+def _redraw_tail_(total: torch.Tensor, generator: Optional[torch.Generator], device: Any) -> torch.Tensor:
+    """Every Exp(1) draw of ``total`` above ``20 ln 2`` replaced by ``20 ln 2`` plus a fresh draw, its conditional
+    law (and so on), so that the uniforms' resolution bounds no draw (39 bits alone would stop at ``39 ln 2``, a
+    radius of 7.35; 53 bits at 8.57)."""
+    if total.numel() == 0 or float(total.max()) <= _TAIL_LEVEL:  # the usual case: one pass, no index
         return total
     deep, base = (total > _TAIL_LEVEL).nonzero().flatten(), _TAIL_LEVEL
-    while deep.numel():  # rare, and a function of the draws alone, never of the data
-        fresh = draw(deep.numel())
+    while deep.numel():  # rare (2^-20 a draw), and a function of the draws alone, never of the data
+        fresh = _exponential_draws(deep.numel(), generator, device)
         total[deep] = fresh + base
         deep, base = deep[fresh > _TAIL_LEVEL], base + _TAIL_LEVEL
     return total
 
 
+def _exponential_draws(n: int, generator: Optional[torch.Generator], device: Any) -> torch.Tensor:
+    """``-ln(1 - u)`` for ``n`` 53-bit uniforms ``u``, in float64."""
+    return torch.rand(n, generator=generator, device=device, dtype=torch.float64).neg_().add_(1).log_().neg_()
+
+
+def _exponential(n: int, generator: Optional[torch.Generator], device: Any) -> torch.Tensor:
+    """``n`` Exp(1) draws in float64 with unbounded support (:func:`_redraw_tail_`)."""
+    return _redraw_tail_(_exponential_draws(n, generator, device), generator, device)
+
+
 def _box_muller(shape: Any, generator: Optional[torch.Generator], device: Any, dtype: torch.dtype) -> torch.Tensor:
-    """Standard normals ``sqrt(2 E) (cos, sin)(2 pi v)``, ``E`` Exp(1) without a bound (:func:`_exponential`).
-    Torch's float32 ``randn`` on the CPU takes ``E = -ln(1 - u)`` from a 24-bit ``u`` and never exceeds
-    ``sqrt(2 ln 2^24) = 5.77``: a noise coordinate more than 5.77 std from one neighbour's sum then proves the
-    other, a chance per step of ``P(Z > 5.77 - shift / std)`` (1e-5 for a shift of 1.5 std), outside any accountant."""
+    """Standard normals ``sqrt(2 E) (cos, sin)(2 pi v)``, ``E = -ln(1 - u)`` Exp(1) without a bound (``u`` on 39
+    bits, redrawn past ``20 ln 2``: :func:`_redraw_tail_`), ``v`` on 24 bits, both from one 63-bit draw per pair.
+    Torch's float32 ``randn`` on the CPU takes ``u`` from 24 bits and never exceeds ``sqrt(2 ln 2^24) = 5.77``: a
+    noise coordinate more than 5.77 std from one neighbour's sum then proves the other, a chance per step of
+    ``P(Z > 5.77 - shift / std)`` (1e-5 for a shift of 1.5 std), outside any accountant."""
     shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
     n = shape.numel()
     half = (n + 1) // 2
-    radius = _exponential(half, generator, device).mul_(2).sqrt_().to(dtype)
-    angle = torch.rand(half, generator=generator, device=device, dtype=dtype).mul_(2 * math.pi)
+    bits = _pair_bits(half, generator, device)
+    # 1 - u in (0, 1], exact in float64
+    exponential = (bits >> _ANGLE_BITS).to(torch.float64).mul_(-(2.0 ** -_RADIUS_BITS)).add_(1).log_().neg_()
+    radius = _redraw_tail_(exponential, generator, device).mul_(2).sqrt_().to(dtype)
+    angle = (bits & (2 ** _ANGLE_BITS - 1)).to(dtype).mul_(2 * math.pi * 2.0 ** -_ANGLE_BITS)
     out = torch.empty(2, half, device=device, dtype=dtype)
     torch.cos(angle, out=out[0])
     torch.sin(angle, out=out[1])
