@@ -71,11 +71,6 @@ def _exponential_draws(n: int, generator: Optional[torch.Generator], device: Any
     return torch.rand(n, generator=generator, device=device, dtype=torch.float64).neg_().add_(1).log_().neg_()
 
 
-def _exponential(n: int, generator: Optional[torch.Generator], device: Any) -> torch.Tensor:
-    """``n`` Exp(1) draws in float64 with unbounded support (:func:`_redraw_tail_`)."""
-    return _redraw_tail_(_exponential_draws(n, generator, device), generator, device)
-
-
 def _box_muller(shape: Any, generator: Optional[torch.Generator], device: Any, dtype: torch.dtype) -> torch.Tensor:
     """Standard normals ``sqrt(2 E) (cos, sin)(2 pi v)``, ``E = -ln(1 - u)`` Exp(1) without a bound (``u`` on 39
     bits, redrawn past ``20 ln 2``: :func:`_redraw_tail_`), ``v`` on 24 bits, both from one 63-bit draw per pair.
