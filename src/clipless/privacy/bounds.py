@@ -28,7 +28,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .certified import BoundError, DeclaredConstants, is_whole
-from .input_guard import global_hooks_registered, module_hooks, redefined_call_path, replaced_forward
+from .input_guard import (CLASS_CALL_PATH, global_hooks_registered, module_hooks, redefined_call_path,
+                          replaced_forward)
 from .modules import BoundedModule, LayerBound, PerStepMechanism, Residual
 
 __all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound", "check_input_shape"]
@@ -93,8 +94,7 @@ _TORCH_SETTINGS: Dict[type, Tuple[str, ...]] = {
 
 # The methods a module's class computes with, compared at every forward and step with their values when the bounds
 # were set up.
-_CLASS_METHODS = ("forward", "layer_bound", "project_", "per_example", "__call__", "_call_impl", "_wrapped_call_impl",
-                  "__getattr__")
+_CLASS_METHODS = ("forward", "layer_bound", "project_", "per_example") + CLASS_CALL_PATH
 
 
 def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]) -> Optional[LayerBound]:

@@ -56,7 +56,7 @@ from .certified import BoundError, DeclaredConstants, ieee_convolutions, ieee_ma
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
-           "redefined_call_path",
+           "redefined_call_path", "CLASS_CALL_PATH",
            "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "undrawn_records",
            "backward_pass_id",
            "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound", "all_finite"]
@@ -231,14 +231,14 @@ def replaced_forward(module: nn.Module) -> Optional[str]:
 
 # What a module's class may not redefine: nn.Module's call path (which runs forward and the hooks) and its
 # attribute lookup (which hands forward and the bounds their weights).
-_CLASS_CALL_PATH = ("__call__", "_call_impl", "_wrapped_call_impl", "__getattr__", "__getattribute__")
+CLASS_CALL_PATH = ("__call__", "_call_impl", "_wrapped_call_impl", "__getattr__", "__getattribute__")
 
 
 def redefined_call_path(module: nn.Module) -> Optional[str]:
     """The first of nn.Module's call path or attribute lookup that ``module``'s class redefines, or ``None``: a
     subclass whose ``__call__`` scales ``forward``'s output computes what neither its forward nor its bounds say."""
     cls = type(module)
-    return next((k for k in _CLASS_CALL_PATH if getattr(cls, k) is not getattr(nn.Module, k)), None)
+    return next((k for k in CLASS_CALL_PATH if getattr(cls, k) is not getattr(nn.Module, k)), None)
 
 
 def saved_tensor_hooks_active() -> bool:
