@@ -1,13 +1,16 @@
 """Clipped DP-SGD (Opacus) and non-private baselines: accounting, utility, CLI, errors."""
 
 import json
+import math
 
 import pytest
 import torch
 
 import clipless as cl
 from clipless.privacy.accounting import compute_epsilon
-from clipless.train.baselines import standard_cnn, standard_mlp, train_dpsgd, train_nonprivate
+from clipless.train import baselines
+from clipless.train.baselines import (draw_noise_unbounded, standard_cnn, standard_mlp, train_dpsgd,
+                                      train_nonprivate)
 
 pytest.importorskip("opacus")
 
@@ -47,6 +50,47 @@ def test_dpsgd_meets_the_budget_and_learns(digits, capsys):
                     delta=1e-5, max_grad_norm=1.0, noise_multiplier=1.0, log_train_stats=stats)
         bar = capsys.readouterr().err
         assert "dp-sgd (opacus)" in bar and ("it/s" in bar or "s/it" in bar) == stats
+
+
+def test_dpsgd_noise_reaches_past_torchs_float32_bound(digits, monkeypatch):
+    """Opacus draws torch.normal, whose float32 CPU draws never exceed 5.77 standard deviations (a 24-bit uniform
+    radius): a coordinate past that proves which neighbour's clipped sum it was added to, outside the reported
+    epsilon. The baseline's noise comes from the library's sampler: with the most extreme radius bits (and no tail
+    redraw, which would move it elsewhere) one coordinate lands at sqrt(2 * 39 ln 2) = 7.35 std."""
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from clipless.privacy import noise
+
+    real_bits = noise._pair_bits
+
+    def extreme_bits(*args, **kwargs):  # the first pair's radius bits all ones, its angle 0 (cosine 1)
+        bits = real_bits(*args, **kwargs)
+        bits[0] = (2 ** 39 - 1) << 24
+        return bits
+
+    monkeypatch.setattr(noise, "_pair_bits", extreme_bits)
+    monkeypatch.setattr(noise, "_TAIL_LEVEL", 1e9)
+    model = torch.nn.Linear(4, 1, bias=False)
+    loader = DataLoader(TensorDataset(torch.zeros(8, 4), torch.zeros(8)), batch_size=8)
+    model, opt, _ = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
+        noise_multiplier=1.5, max_grad_norm=2.0, poisson_sampling=False, noise_generator=torch.Generator())
+    draw_noise_unbounded(opt)
+    model(torch.zeros(8, 4)).sum().backward()  # zero inputs: the clipped sum is 0, the gradient is noise alone
+    opt.step()
+    z = model._module.weight.grad.flatten() * 8 / (1.5 * 2.0)  # Opacus divides by the expected batch size, 8
+    assert float(z[0]) == pytest.approx(math.sqrt(2 * 39 * math.log(2)), rel=1e-5) and float(z[0]) > 5.77
+    assert opt.noise_multiplier == 1.5  # restored for Opacus' accountant hook
+    # and train_dpsgd draws every step's noise there: one call per parameter per step
+    monkeypatch.undo()
+    calls = []
+    monkeypatch.setattr(baselines, "gaussian", lambda *a, **k: calls.append(a[0]) or noise.gaussian(*a, **k))
+    result = train_dpsgd(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=512, epochs=1,
+                         delta=1e-5, max_grad_norm=1.0, target_epsilon=3.0, progress=False)
+    assert len(calls) == 4 * result.steps and result.steps > 0
+    with pytest.raises(TypeError, match="DPOptimizer"):
+        draw_noise_unbounded(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_dpsgd_with_huge_noise_does_not_learn(digits):
