@@ -407,6 +407,41 @@ def test_a_new_run_in_an_earlier_runs_directory_replaces_none_of_its_files(tmp_p
     assert not (out / "model.pt2").exists()
 
 
+@pytest.mark.parametrize("command", ["train", "kl-study"])
+def test_a_run_into_a_directory_another_run_is_writing_is_refused(tmp_path, capsys, command):
+    """Two runs started into one output directory (the default runs/latest twice) each moved the other's files
+    aside and replaced its checkpoint and result at every epoch. The directory is now claimed (a flock held for the
+    run): a second process is refused before it moves or writes anything, and the first run's files stay."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    if command == "train":
+        _train(out)
+    else:
+        out.mkdir()
+        (out / "kl_study.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    holder = subprocess.Popen(  # another process running in the directory: it claims it, then waits
+        [sys.executable, "-c", "import sys; from clipless.train.checkpoint import claim_directory; "
+         f"claim_directory({str(out)!r}); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ["train", *FAST, "--output-dir", str(out)] if command == "train" else \
+            ["kl-study", "--data-dir", str(write_fake_mnist(tmp_path / "mnist")), "--output-dir", str(out)]
+        _refused(args, "being written by another run .*choose another output directory")
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+        assert not [p for p in out.iterdir() if p.is_dir()]  # nothing moved aside
+    finally:
+        holder.communicate("")
+    if command == "train":  # once it has ended, a new run goes ahead (the earlier files kept aside), twice in a row
+        capsys.readouterr()
+        _train(out)
+        _train(out)
+        assert len([p for p in out.iterdir() if p.is_dir()]) == 2
+
+
 def test_keep_earlier_files_moves_each_file_whole_or_not_at_all(tmp_path, monkeypatch):
     """Only the named files that exist move, into a folder of their own per call; a failed move raises one error
     and leaves every file whole, where it was or where it went."""

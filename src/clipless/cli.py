@@ -773,7 +773,7 @@ def prepare_output_dir(out_dir: Path, earlier: Sequence[str] = ()) -> None:
     run replaces none of them (a resume passes none: it continues them)."""
     import tempfile
 
-    from .train.checkpoint import CheckpointError, keep_earlier_files
+    from .train.checkpoint import CheckpointError, claim_directory, keep_earlier_files
 
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"--output-dir: {out_dir} is a file, not a directory; choose another --output-dir")
@@ -785,6 +785,7 @@ def prepare_output_dir(out_dir: Path, earlier: Sequence[str] = ()) -> None:
         raise SystemExit(f"--output-dir: {out_dir} is not writable ({err.strerror or err}); choose another "
                          "--output-dir") from None
     try:
+        claim_directory(out_dir)  # before anything moves: a run writing here now would lose its files
         kept = keep_earlier_files(out_dir, earlier)
     except CheckpointError as err:
         raise SystemExit(f"--output-dir: {err}") from None
@@ -1038,6 +1039,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         # the library's refusals (bad data, settings, files): one line naming the problem and the fix
         raise SystemExit(f"clipless {args.command}: {' '.join(str(err).split())}") from None
     finally:
+        from .train.checkpoint import release_directories
+
+        release_directories()
         if started and torch.distributed.is_initialized():
             # a DistributedDataParallel kept alive by a reference cycle would outlive its group and now and then
             # abort the process at exit (SIGABRT): collect it first

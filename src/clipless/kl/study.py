@@ -26,7 +26,7 @@ from ..diagnostics.plots import save_figure
 from ..privacy.certified import whole_number
 from ..privacy.accounting import check_positive_finite
 from ..privacy.distributed import world
-from ..train.checkpoint import keep_earlier_files, write_atomically
+from ..train.checkpoint import claim_directory, keep_earlier_files, write_atomically
 from . import noisy_gd as klp
 
 
@@ -280,6 +280,7 @@ def main_kl_study(cfg: KLStudyConfig) -> Dict[str, Any]:
         raise ValueError("the KL study runs in one process; it does not support a distributed process group")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    claim_directory(out)  # a study writing here at the same time would lose its files
     kept = keep_earlier_files(out, STUDY_FILES)  # an earlier study's files: this one replaces none of them
     if kept is not None:
         print(f"{out} held an earlier study's files: moved to {kept}", file=sys.stderr)

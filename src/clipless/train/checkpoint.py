@@ -9,6 +9,7 @@ instead of loading wrong optimizer or accountant state.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -24,7 +25,7 @@ __all__ = ["CheckpointError", "KINDS", "checkpoint_kind", "save_checkpoint", "lo
            "check_fits",
            "checkpoint_destination",
            "keyed_fingerprint", "read_fingerprint_key", "fingerprint_key_for", "fingerprint_key_path",
-           "check_records", "keep_earlier_files", "check_checkpoint_free"]
+           "check_records", "keep_earlier_files", "check_checkpoint_free", "claim_directory", "release_directories"]
 
 MAGIC = b"clipless checkpoint v1\n"
 _DIGEST_LEN = 64  # hex sha256
@@ -53,6 +54,44 @@ def write_atomically(path: Union[str, Path], data: bytes, mode: Optional[int] = 
             raise CheckpointError(f"could not write {path}: {err.strerror or err}; the previous file (if any) is "
                                   "intact") from err
         raise
+
+
+_CLAIMED: Dict[Path, int] = {}  # directories this process writes its run's files to -> the descriptor holding its lock
+
+
+def claim_directory(directory: Union[str, Path]) -> None:
+    """Hold an exclusive ``flock`` on ``directory`` itself until :func:`release_directories` or the process's end
+    (no file is added to it): a second run writing the same directory at the same time would move this one's files
+    aside and replace its checkpoint and result with its own.  A directory another process holds is refused
+    (:class:`CheckpointError`); a second claim in this process is a no-op.  Where ``flock`` does not exist
+    (Windows), nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - POSIX only
+        return
+    key = Path(directory).resolve()
+    if key in _CLAIMED:
+        return
+    try:
+        fd = os.open(key, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as err:
+        raise CheckpointError(f"could not open {directory} to lock it: {err.strerror or err}") from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise CheckpointError(f"could not lock {directory}: {err.strerror or err}") from err
+        raise CheckpointError(f"{directory} is being written by another run (another process holds its lock): two "
+                              "runs in one directory would replace each other's checkpoint and result; wait for it "
+                              "to end or choose another output directory") from None
+    _CLAIMED[key] = fd
+
+
+def release_directories() -> None:
+    """Release every directory this process claimed (closing a descriptor drops its ``flock``)."""
+    while _CLAIMED:
+        os.close(_CLAIMED.popitem()[1])
 
 
 def check_checkpoint_free(path: Optional[Path], continued: Optional[Path]) -> None:
