@@ -500,6 +500,26 @@ def test_every_shipped_recipe_is_a_valid_config() -> None:
         assert config["epsilon"] > 0 and "dataset" in config
 
 
+def test_the_main_job_runs_the_choice_of_its_validation_search() -> None:
+    """The CLI's defaults and configs/digits.yaml are what benchmarks/main_job.py's search chose on the validation
+    split (its CHOSEN): a default edited by hand, or a search that moved on without them, fails here."""
+    import importlib.util
+    from pathlib import Path
+
+    from clipless.cli import DEFAULTS, _read_yaml, validate
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("main_job", root / "benchmarks" / "main_job.py")
+    search = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(search)
+    recipe = validate(_read_yaml(str(root / "configs" / "digits.yaml")))
+    # the defaults say features "auto": scattering for images fed to an mlp (the recipe writes it out)
+    for config, features in ((recipe, "scattering"), (validate(dict(DEFAULTS)), "auto")):
+        assert {k: config[k] for k in search.CHOSEN} == {**search.CHOSEN, "features": features}
+        assert config["epsilon"] == 3.0 and config["dataset"] == "digits" and config["model"] == "mlp"
+    assert search.CHOSEN in search.CLIPLESS_GRID
+
+
 def test_mnist_recipes_are_the_choices_of_the_validation_search() -> None:
     """configs/mnist.yaml and configs/mnist_eps3.yaml hold what benchmarks/mnist_search.py chose on validation
     (a recipe edited by hand, or a search that moved on without its file, fails here)."""
