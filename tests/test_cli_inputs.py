@@ -79,6 +79,7 @@ def _train(out, *extra):
     (["--activation", "groupsort4", "--method", "dpsgd"], "--activation is an option of clipless training"),
     (["--augment-flip", "--method", "dpsgd"], "--augment-flip is an option of clipless training"),
     (["--max-grad-norm", "0.5"], "--max-grad-norm is the clipping norm of --method dpsgd, not of --method clipless"),
+    (["--secure-noise", "--method", "nonprivate"], "--secure-noise draws the noise of a private run"),
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"

@@ -652,6 +652,8 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
             raise SystemExit(f"{flag} is an option of clipless training, not of --method {config['method']}")
     if config["method"] != "dpsgd" and config["max_grad_norm"] != DEFAULTS["max_grad_norm"]:
         raise SystemExit(f"--max-grad-norm is the clipping norm of --method dpsgd, not of --method {config['method']}")
+    if config["method"] == "nonprivate" and config["secure_noise"]:
+        raise SystemExit("--secure-noise draws the noise of a private run; --method nonprivate adds none")
     _layer_noise(config)  # refuses an allocation without --strategy per_layer before any data is read
     if config["model"] != "mlp" and not config["channels"]:
         raise SystemExit(f"--channels: the {config['model']} needs at least one width, got none")
@@ -821,7 +823,7 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
                               target_epsilon=config["epsilon"],  # with a fixed sigma: where the steps stop
                               noise_multiplier=config["noise_multiplier"], accountant=config["accountant"],
                               noise_seed=config["noise_seed"], log_train_stats=bool(config["log_train_stats"]),
-                              **common)
+                              secure_noise=bool(config["secure_noise"]), **common)
     else:
         outcome = train_nonprivate(model, data.train, **common)
     result = outcome.to_dict()

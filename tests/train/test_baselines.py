@@ -88,7 +88,16 @@ def test_dpsgd_noise_reaches_past_torchs_float32_bound(digits, monkeypatch):
     monkeypatch.setattr(baselines, "gaussian", lambda *a, **k: calls.append(a[0]) or noise.gaussian(*a, **k))
     result = train_dpsgd(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=512, epochs=1,
                          delta=1e-5, max_grad_norm=1.0, target_epsilon=3.0, progress=False)
-    assert len(calls) == 4 * result.steps and result.steps > 0
+    assert len(calls) == 4 * result.steps and result.steps > 0 and result.extra["secure_noise"] is False
+    # --secure-noise reached the baseline too (it was dropped: plain draws for a run that asked for secure ones)
+    secure = []
+    monkeypatch.setattr(baselines, "gaussian", lambda *a, **k: secure.append(a[4]) or noise.gaussian(*a, **k))
+    result = train_dpsgd(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=512, epochs=1,
+                         delta=1e-5, max_grad_norm=1.0, target_epsilon=3.0, progress=False, secure_noise=True)
+    assert secure and all(secure) and result.extra["secure_noise"] is True
+    with pytest.raises(ValueError, match="secure_noise must be True or False"):
+        train_dpsgd(standard_mlp(digits.input_shape, 10, hidden=(8,)), digits.train, batch_size=512, epochs=1,
+                    delta=1e-5, max_grad_norm=1.0, target_epsilon=3.0, progress=False, secure_noise="yes")
     with pytest.raises(TypeError, match="DPOptimizer"):
         draw_noise_unbounded(torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -169,3 +178,7 @@ def test_cli_method(method, tmp_path, capsys):
     assert result["method"] == method and 0 <= result["test_accuracy"] <= 1
     assert (result["epsilon"] is None) == (method == "nonprivate")
     assert f"[{method}]" in capsys.readouterr().out
+    if method == "dpsgd":  # --secure-noise reaches the baseline's draws (it was silently dropped)
+        main(["train", "--method", method, "--epochs", "1", "--hidden", "8", "--no-progress", "--secure-noise",
+              "--output-dir", str(tmp_path / "secure")])
+        assert json.loads((tmp_path / "secure" / "result.json").read_text())["extra"]["secure_noise"] is True

@@ -25,7 +25,7 @@ from ..data.datasets import check_held_out
 from ..nn.models import build_lr_schedule, build_optimizer
 from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
-from ..privacy.noise import gaussian
+from ..privacy.noise import check_secure_flag, gaussian
 from ..privacy.randomness import make_generator, randomness_label
 from ..privacy.sampling import loader_parts, poisson_data_loader, step_progress
 from .evaluation import collect_outputs, predictions
@@ -104,9 +104,10 @@ def predict_scores(model: nn.Module, data: Dataset, batch_size: int = 4096) -> D
     return out
 
 
-def draw_noise_unbounded(optimizer: Any) -> Any:
+def draw_noise_unbounded(optimizer: Any, secure: bool = False) -> Any:
     """Make an Opacus ``DPOptimizer`` draw its noise from :func:`~clipless.privacy.noise.gaussian` (Gaussian tails
-    without a bound), with its own generator and scale ``noise_multiplier * max_grad_norm``.
+    without a bound; ``secure``: its sum of 4 draws), with its own generator and scale
+    ``noise_multiplier * max_grad_norm``.
 
     Opacus draws ``torch.normal``, whose float32 CPU draws never exceed 5.77 standard deviations: a coordinate past
     that from one neighbour's clipped sum proves the other, outside the epsilon the baseline reports.  Opacus still
@@ -117,6 +118,7 @@ def draw_noise_unbounded(optimizer: Any) -> Any:
 
     if not isinstance(optimizer, DPOptimizer) or getattr(optimizer, "secure_mode", False):
         raise TypeError(f"expected an Opacus DPOptimizer without secure_mode, got {type(optimizer).__name__}")
+    secure = check_secure_flag(secure)
     opacus_add_noise = optimizer.add_noise
 
     def add_noise() -> None:
@@ -128,7 +130,7 @@ def draw_noise_unbounded(optimizer: Any) -> Any:
             optimizer.noise_multiplier = sigma
         std = sigma * optimizer.max_grad_norm
         for p in optimizer.params:
-            p.grad.add_(gaussian(p.grad.shape, optimizer.generator, p.grad.device, p.grad.dtype), alpha=std)
+            p.grad.add_(gaussian(p.grad.shape, optimizer.generator, p.grad.device, p.grad.dtype, secure), alpha=std)
 
     optimizer.add_noise = add_noise
     return optimizer
@@ -153,6 +155,7 @@ def train_dpsgd(
     progress: bool = True,
     log_train_stats: bool = False,
     lr_schedule: str = "constant",
+    secure_noise: bool = False,
 ) -> BaselineResult:
     """Clipped DP-SGD (Abadi et al.) through Opacus: per-example gradients clipped to ``max_grad_norm``,
     noise ``N(0, sigma^2 C^2)`` on the sum, division by the expected batch size, Poisson sampling.
@@ -164,8 +167,10 @@ def train_dpsgd(
     the next step would pass the target; ``extra["stopped_by_budget"]`` says whether it did).
     ``log_train_stats`` adds ``nonprivate_wall_time_s``: it grows with the realised (secret) batch sizes.
     ``lr_schedule``: ``constant`` or ``cosine`` over the epochs, stepped per epoch (``build_lr_schedule``).
+    The noise is the library's (:func:`draw_noise_unbounded`); ``secure_noise``: each value a sum of 4 draws.
     """
     schedule = build_lr_schedule(lr_schedule, epochs)  # checked before anything runs
+    check_secure_flag(secure_noise)
     train_data, loader_options = loader_parts(train_data)  # Poisson batches over a loader's dataset, its workers kept
     test_data, _ = loader_parts(test_data, training=False)
     check_held_out(train_data, test_data)
@@ -200,7 +205,7 @@ def train_dpsgd(
             max_grad_norm=max_grad_norm, poisson_sampling=True, noise_generator=make_generator(noise_seed, stream=2),
         )
     assert abs(dp_loader.sample_rate - sample_rate) < 1e-12
-    draw_noise_unbounded(opt)
+    draw_noise_unbounded(opt, secure_noise)
     scheduler = schedule(opt) if schedule is not None else None  # on Opacus' optimizer: its groups are the inner's
     # The same Poisson sampling as Opacus' loader (rate q, len(loader) steps per epoch), through the
     # library's batched gather: Opacus' loader fetches records one by one, which dominates small models.
@@ -231,7 +236,7 @@ def train_dpsgd(
         sample_rate=sample_rate, sampling="poisson", accountant=accountant, seed=seed,
         **randomness_label(noise_seed), nonprivate_wall_time_s=wall if log_train_stats else None,
         extra={"opacus_rdp_epsilon": float(engine.get_epsilon(delta)),
-               "stopped_by_budget": bool(plan.budget_limited and taken >= steps)},
+               "stopped_by_budget": bool(plan.budget_limited and taken >= steps), "secure_noise": secure_noise},
     )
 
 
