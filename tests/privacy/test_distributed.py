@@ -177,6 +177,27 @@ def _scenario(rank: int, size: int, scenario: str, out: str) -> dict:
         loss.per_example(ddp(xb), yb).sum().backward()
         opt.step()
         result["steps_after"] = opt.accountant.steps
+    elif scenario == "other-shard-record":
+        model = _model()
+        ddp, opt, loader = cl.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, y),
+            loss=cl.TauCrossEntropy(4.0), noise_multiplier=1.0, input_shape=SHAPE, batch_size=32.0,
+            input_bound=4.0, noise_generator=make_generator(7, stream=2),
+            sampling_generator=make_generator(7, stream=1 + 1000 * rank))
+        loss = cl.TauCrossEntropy(4.0)
+        result["refused"], result["steps"] = [], []
+        for take_other in (False, True):
+            xb, yb = next(iter(loader))
+            if take_other and rank == 1:  # record 0 lies in rank 0's shard (even indices): rank 1 never draws it
+                xb, yb = torch.cat([x[:1], xb[1:]]), torch.cat([y[:1], yb[1:]])
+            try:
+                opt.zero_grad()
+                loss.per_example(ddp(xb), yb).sum().backward()
+                opt.step()
+                result["refused"].append("")
+            except BoundError as err:
+                result["refused"].append(str(err))
+            result["steps"].append(opt.accountant.steps)
     elif scenario == "shared-sampling-generator":
         result["outcomes"] = []
         for stream in (1, 1 + 1000 * rank):  # the same state on every rank, then one stream per rank
@@ -276,6 +297,16 @@ def test_a_step_refused_on_one_rank_is_refused_on_every_rank() -> None:
     assert "rows of the private model's output" in results[1]["refused"]
     assert "rank(s) [1] refused this step" in results[0]["refused"]
     assert all(r["unchanged"] and r["steps"] == 0 and r["steps_after"] == 1 for r in results)
+
+
+def test_a_record_of_another_ranks_shard_is_refused() -> None:
+    """Each rank knew the digests of its own shard only: a row equal to a record of another rank's shard (a loader of
+    one's own over the whole dataset, an index into it) passed where the rank's own undrawn records were refused.
+    The ranks now digest alike (rank 0's weights) and every rank holds every shard's digests."""
+    results = _run("other-shard-record")
+    assert [r["refused"][0] for r in results] == ["", ""] and results[0]["steps"] == [1, 1]
+    assert "a training record that the batch drawn from the private loader does not hold" in results[1]["refused"][1]
+    assert "rank(s) [1] refused this step" in results[0]["refused"][1]
 
 
 def test_ranks_sharing_a_sampling_generator_state_are_refused() -> None:

@@ -57,7 +57,7 @@ from .certified import BoundError, DeclaredConstants, ieee_convolutions, ieee_ma
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
            "redefined_call_path", "CLASS_CALL_PATH",
-           "check_precision", "row_digests", "batch_row_digests", "rows_repeated", "undrawn_records",
+           "check_precision", "row_digests", "batch_row_digests", "digest_seed", "use_digest_seed", "rows_repeated", "undrawn_records",
            "backward_pass_id",
            "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound", "all_finite"]
 
@@ -80,16 +80,36 @@ _RECORD_ATTR = "_clipless_forward"
 # forward on the very batch the loader handed out does not digest it again.
 _RECENT_DIGESTS: List[Tuple[Any, int, int, torch.Tensor]] = []
 _DIGEST_WEIGHTS: Dict[Tuple[int, int, int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+_DIGEST_SEED: List[int] = []  # this process's seed of the digest weights, drawn from OS entropy when first needed
+
+
+def digest_seed() -> int:
+    """The seed of this process's row-digest weights (from OS entropy, once)."""
+    if not _DIGEST_SEED:
+        _DIGEST_SEED.append(int.from_bytes(os.urandom(8), "little") >> 1)
+    return _DIGEST_SEED[0]
+
+
+def use_digest_seed(seed: int) -> None:
+    """Take ``seed`` (another process's :func:`digest_seed`) for the row-digest weights, so that the ranks of a
+    distributed run digest a record alike and can compare each other's digests.  Digests this process made with
+    other weights no longer match new ones: call it before any is kept."""
+    if _DIGEST_SEED and _DIGEST_SEED[0] == seed:
+        return
+    _DIGEST_SEED[:] = [int(seed)]
+    _DIGEST_WEIGHTS.clear()
+    _RECENT_DIGESTS.clear()
 
 
 def _digest_weights(cols: int, bits: int, forms: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Random ``(cols, forms)`` integer weights below ``2^bits`` (as float64) and odd int64 mixers, per process and
-    the same on every device: a batch digested on the CPU (the loader's) and on a GPU (the forward's) must agree."""
+    """Random ``(cols, forms)`` integer weights below ``2^bits`` (as float64) and odd int64 mixers, per process
+    (:func:`digest_seed`) and the same on every device: a batch digested on the CPU (the loader's) and on a GPU
+    (the forward's) must agree."""
     key = (cols, bits, forms, str(device))
     if key not in _DIGEST_WEIGHTS:
         host = (cols, bits, forms, "cpu")
         if host not in _DIGEST_WEIGHTS:
-            generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+            generator = torch.Generator().manual_seed(digest_seed() ^ (cols * 1_000_003 + bits * 101 + forms))
             weights = torch.randint(0, 2**bits, (cols, forms), generator=generator).to(torch.float64)
             mixers = torch.randint(-2**62, 2**62, (forms,), dtype=torch.int64, generator=generator) * 2 + 1
             _DIGEST_WEIGHTS[host] = (weights, mixers)

@@ -15,10 +15,10 @@ from .accounting import PrivacyAccountant, check_delta
 from .bounds import BoundEngine, check_input_shape
 from .calibration import plan_noise, planned_steps
 from .certified import BoundError, is_real
-from .distributed import (DistributedPoissonBatchSampler, check_distinct_on_all_ranks, check_same_on_all_ranks,
-                          same_outcome_on_all_ranks, world)
+from .distributed import (DistributedPoissonBatchSampler, all_gather_objects, check_distinct_on_all_ranks,
+                          check_same_on_all_ranks, same_outcome_on_all_ranks, world)
 from .input_guard import (DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite,
-                          row_digests)
+                          digest_seed, row_digests, use_digest_seed)
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
 from .sampling import (dataset_size, expected_batch_size, in_memory_records, loader_parts, poisson_data_loader,
@@ -269,6 +269,8 @@ class PrivacyEngine(DeclaredConstants):
         # the records' digests, against which each step's rows are checked (none for batches drawn elsewhere)
         digests: Optional[List[torch.Tensor]] = None if external_batches else []
         if distributed:  # each rank reads its own shard; a refusal on one is a refusal on all (no rank left waiting)
+            if digests is not None:  # rank 0's digest weights on every rank: a record gets one digest everywhere
+                use_digest_seed(all_gather_objects(digest_seed())[0])
             same_outcome_on_all_ranks(lambda: check_dataset_records(
                 dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound,
                 read=check_records, indices=range(rank, n, world_size), progress=progress, model=probe,
@@ -276,6 +278,8 @@ class PrivacyEngine(DeclaredConstants):
                 device=next((p.device for p in module.parameters()), torch.device("cpu")),  # NCCL: CUDA tensors only
                 refused="refused a record of their shard of the training data (their error says which check): no "
                         "rank goes on; clean the data")
+            if digests is not None:  # every shard's records: a rank's rows are checked against all of them
+                digests = all_gather_objects(torch.cat(digests).cpu() if digests else torch.zeros(0, dtype=torch.int64))
         else:
             check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape,
                                   data_bound, read=check_records, progress=progress, model=probe, digests=digests)
