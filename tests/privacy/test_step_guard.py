@@ -327,6 +327,26 @@ def test_training_records_the_batch_does_not_hold_refused(slip):
     assert "DataLoader of your own" in message
 
 
+def test_declaring_more_derived_rows_than_the_drawn_copies_refused():
+    """derived_rows_ exempts rows made from the drawn batch (augmented copies) from both row checks; declaring the
+    whole dataset there (an augmentation of the wrong tensor, or a shortcut past the refusal above) let a step train
+    on undrawn records. At most K rows per drawn example may be declared; K copies pass, in one call or several."""
+    model, opt, loss, engine, data, loader = _setup_with_loader(augmentation_multiplicity=2)
+    for bx, by in loader:
+        if len(bx) >= 2:
+            break
+    opt.derived_rows_(torch.cat([bx, bx]))  # the trainer's K = 2 augmented copies: accepted
+    with pytest.raises(BoundError, match="derived_rows_ was given more rows than K = 2 copies of the batch drawn"):
+        opt.derived_rows_(bx[:1])
+    bx, by = next(iter(loader))
+    while len(bx) == 0 or len(bx) >= len(data) // 2:
+        bx, by = next(iter(loader))
+    opt.derived_rows_(bx)
+    opt.derived_rows_(bx)  # two calls of one copy each
+    with pytest.raises(BoundError, match="more rows than K = 2 copies"):
+        opt.derived_rows_(data.features)
+
+
 def _dataset_with_duplicate_records():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(24, *SHAPE, generator=gen)

@@ -319,7 +319,16 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             return
         if self._derived[0] != loader.batches_drawn:
             self._derived = (loader.batches_drawn, [])
-        self._derived[1].append(row_digests(rows.detach()))
+        digests = row_digests(rows.detach())
+        drawn = loader.last_batch_rows
+        declared = digests.numel() + sum(d.numel() for d in self._derived[1])
+        if drawn is not None and declared > self.augmentation_multiplicity * drawn:
+            # without the counts: a Poisson batch's size is secret
+            raise BoundError("derived_rows_ was given more rows than K = "
+                             f"{self.augmentation_multiplicity} copies of the batch drawn from the private loader "
+                             "(K: augmentation multiplicity): rows made from the drawn batch are one per example "
+                             "and copy; declare only those (records from elsewhere are not the Poisson sample)")
+        self._derived[1].append(digests)
 
     def _check_rows(self) -> None:
         """More output rows than the drawn batch holds (times K) means some example was used twice: a row
