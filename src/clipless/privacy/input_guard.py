@@ -57,7 +57,8 @@ from .certified import BoundError, DeclaredConstants, ieee_convolutions, ieee_ma
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
            "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
            "redefined_call_path", "CLASS_CALL_PATH",
-           "check_precision", "row_digests", "batch_row_digests", "digest_seed", "use_digest_seed", "rows_repeated", "undrawn_records",
+           "check_precision", "row_digests", "batch_row_digests", "digest_seed", "use_digest_seed", "rows_repeated",
+           "undrawn_records",
            "backward_pass_id",
            "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound", "all_finite"]
 
