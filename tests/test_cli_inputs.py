@@ -443,6 +443,25 @@ def test_a_run_into_a_directory_another_run_is_writing_is_refused(tmp_path, caps
         assert len([p for p in out.iterdir() if p.is_dir()]) == 2
 
 
+def test_a_file_system_without_flock_runs_unguarded_with_a_warning(tmp_path, monkeypatch):
+    """Where the lock cannot be taken at all (a file system without flock, ENOLCK), the run goes on with a warning
+    instead of refusing to start; a lock held by another process is still refused."""
+    import errno
+    import fcntl
+
+    from clipless.train.checkpoint import claim_directory, release_directories
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="could not lock .*No locks available.*would not be refused"):
+        claim_directory(tmp_path)
+    release_directories()
+    monkeypatch.undo()
+    assert main(["train", *FAST, "--output-dir", str(tmp_path / "run")]) == 0
+
+
 def test_keep_earlier_files_moves_each_file_whole_or_not_at_all(tmp_path, monkeypatch):
     """Only the named files that exist move, into a folder of their own per call; a failed move raises one error
     and leaves every file whole, where it was or where it went."""

@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -64,7 +65,7 @@ def claim_directory(directory: Union[str, Path]) -> None:
     (no file is added to it): a second run writing the same directory at the same time would move this one's files
     aside and replace its checkpoint and result with its own.  A directory another process holds is refused
     (:class:`CheckpointError`); a second claim in this process is a no-op.  Where ``flock`` does not exist
-    (Windows), nothing is locked."""
+    (Windows) or fails (a file system without it), nothing is locked, with a warning there."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - POSIX only
@@ -74,14 +75,19 @@ def claim_directory(directory: Union[str, Path]) -> None:
         return
     try:
         fd = os.open(key, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError as err:
-        raise CheckpointError(f"could not open {directory} to lock it: {err.strerror or err}") from err
+    except OSError as err:  # an unreadable directory: the run goes on, unguarded, as where flock does not exist
+        warnings.warn(f"could not open {directory} to lock it ({err.strerror or err}): a second run started there "
+                      "meanwhile would not be refused", stacklevel=2)
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
         os.close(fd)
-        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise CheckpointError(f"could not lock {directory}: {err.strerror or err}") from err
+        # held: EWOULDBLOCK or EAGAIN, EACCES on systems where Python emulates flock with fcntl locks
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no flock on this file system: unguarded
+            warnings.warn(f"could not lock {directory} ({err.strerror or err}): a second run started there meanwhile "
+                          "would not be refused", stacklevel=2)
+            return
         raise CheckpointError(f"{directory} is being written by another run (another process holds its lock): two "
                               "runs in one directory would replace each other's checkpoint and result; wait for it "
                               "to end or choose another output directory") from None
