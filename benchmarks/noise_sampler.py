@@ -21,11 +21,16 @@ import torch
 from report import print_table, write_json
 
 from clipless.privacy.noise import gaussian
+from clipless.privacy.randomness import secret_generator
+
+_SECRET = secret_generator()
 
 SAMPLERS = {
     "torch.randn (float32)": lambda n, g: torch.randn(n, generator=g),
     "clipless gaussian": lambda n, g: gaussian(n, g),
     "clipless gaussian, secure": lambda n, g: gaussian(n, g, secure=True),
+    # what a private run's secure mode draws: its generator is secret, so the bits come from os.urandom
+    "clipless gaussian, secure, OS bits": lambda n, g: gaussian(n, _SECRET, secure=True),
 }
 
 

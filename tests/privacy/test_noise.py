@@ -80,6 +80,42 @@ def test_the_noise_tails_reach_past_torchs_float32_bound(monkeypatch):
         assert abs(int((z > t).sum()) - expected) < 4 * math.sqrt(expected)
 
 
+def test_secure_noise_from_a_secret_generator_takes_cryptographic_bits(monkeypatch):
+    """The secret generators are MT19937 filled from OS entropy: secret, but not cryptographic. An adversary who
+    knows every other record and sees every iterate of a full-batch run reads the generator's outputs (less one
+    record's gradient) in the noise, and MT19937's tempering is linear, so its state, and every later draw, can be
+    solved for. In secure mode the bits now come from os.urandom: the secret generator is not advanced at all, the
+    draws are still N(0, 1) with Gaussian tails, and the tail redraw takes OS bits too. A seeded generator (an
+    experiment) keeps its reproducible secure draws."""
+    import os
+
+    from clipless.privacy.randomness import secret_generator
+
+    calls = []
+    real_urandom = os.urandom
+    monkeypatch.setattr(noise.os, "urandom", lambda n: calls.append(n) or real_urandom(n))
+    gen = secret_generator()
+    state = gen.get_state().clone()
+    z = gaussian(2_000_000, gen, dtype=torch.float64, secure=True)
+    assert torch.equal(gen.get_state(), state) and sum(calls) >= 4 * 8 * 1_000_000
+    assert abs(float(z.mean())) < 0.005 and abs(float(z.var()) - 1) < 0.01
+    for t in (3.0, 4.0):
+        expected = z.numel() * math.erfc(t / math.sqrt(2))
+        assert abs(int((z.abs() > t).sum()) - expected) < 4 * math.sqrt(expected)
+    e = noise._exponential_draws(1_000_000, noise.OS_ENTROPY, "cpu")
+    assert abs(float(e.mean()) - 1) < 0.005 and abs(float(e.var()) - 1) < 0.01
+    monkeypatch.setattr(noise, "_TAIL_LEVEL", 1.0)  # a third of the draws redrawn, from OS bits
+    e = noise._redraw_tail_(noise._exponential_draws(1_000_000, noise.OS_ENTROPY, "cpu"), noise.OS_ENTROPY, "cpu")
+    assert abs(float((e > 3.0).double().mean()) - math.exp(-3.0)) < 4 * math.sqrt(math.exp(-3.0) / e.numel())
+    monkeypatch.undo()
+    # the plain mode keeps the generator; a seeded secure run stays reproducible
+    before = gen.get_state().clone()
+    gaussian(100, gen)
+    assert not torch.equal(gen.get_state(), before)
+    seeded = [gaussian(100, torch.Generator().manual_seed(5), secure=True) for _ in range(2)]
+    assert torch.equal(*seeded)
+
+
 def test_the_noise_primitives_draw_securely_on_request():
     def grad_noise(secure):
         p = nn.Parameter(torch.zeros(64))

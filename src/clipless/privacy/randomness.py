@@ -22,8 +22,8 @@ import torch
 
 from .certified import is_whole
 
-__all__ = ["secret_generator", "make_generator", "randomness_label", "secret_seed", "resume_generator",
-           "saved_generator_state"]
+__all__ = ["secret_generator", "is_secret_generator", "make_generator", "randomness_label", "secret_seed",
+           "resume_generator", "saved_generator_state"]
 
 # Layout of the CPU generator state (ATen CPUGeneratorImplState): initial seed (u64), left (i32),
 # seeded (i32), next (u64), then the 624 Mersenne Twister words stored as u64.
@@ -68,6 +68,11 @@ class _SecretGenerator(torch.Generator):
 
     def __reduce__(self) -> Any:
         return secret_generator, (str(self.device),)
+
+
+def is_secret_generator(generator: Any) -> bool:
+    """Whether ``generator`` is one of :func:`secret_generator`'s (from OS entropy, never seeded by hand)."""
+    return isinstance(generator, _SecretGenerator) and generator._sealed
 
 
 def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generator:
