@@ -116,6 +116,21 @@ def test_secure_noise_from_a_secret_generator_takes_cryptographic_bits(monkeypat
     assert torch.equal(*seeded)
 
 
+def test_gaussian_without_a_generator_does_not_draw_from_torchs_global_one():
+    """``gaussian(shape, None)`` drew from torch's global generator, as public as a ``torch.manual_seed`` call in the
+    user's script: the same seed gave the same noise. It now draws from OS entropy, as the other noise primitives
+    do without a generator (and secure mode from os.urandom)."""
+    draws = []
+    for secure in (False, False, True, True):
+        torch.manual_seed(0)
+        draws.append(gaussian(1000, None, secure=secure))
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[2], draws[3])
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    gaussian(1000, None)
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator is not advanced
+
+
 def test_the_noise_primitives_draw_securely_on_request():
     def grad_noise(secure):
         p = nn.Parameter(torch.zeros(64))

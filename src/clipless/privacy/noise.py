@@ -113,7 +113,8 @@ def _box_muller(shape: Any, generator: Optional[torch.Generator], device: Any, d
 
 def gaussian(shape: Any, generator: Optional[torch.Generator], device: Any = "cpu", dtype: torch.dtype = torch.float32,
              secure: bool = False) -> torch.Tensor:
-    """Standard normal samples (:func:`_box_muller`: tails without torch's float32 bound of 5.77).  ``secure``: the sum
+    """Standard normal samples (:func:`_box_muller`: tails without torch's float32 bound of 5.77); ``generator`` None:
+    OS entropy, never torch's global generator.  ``secure``: the sum
     of ``SECURE_DRAWS = 4`` draws divided by 2, still exactly ``N(0, 1)``: a floating-point sample is not a real
     Gaussian, and the gaps between the values one draw can take let an observer of ``x + noise`` tell some ``x``
     apart (Mironov, CCS 2012; Jin et al., S&P 2022); the sum fills those gaps (Holohan and Braghin, 2021), as
@@ -124,6 +125,8 @@ def gaussian(shape: Any, generator: Optional[torch.Generator], device: Any = "cp
     linear).  A seeded generator (an experiment, not private) keeps its reproducible draws."""
     if secure and (generator is None or is_secret_generator(generator)):
         generator = OS_ENTROPY
+    elif generator is None:  # torch's global generator is as public as its seed (torch.manual_seed)
+        generator = secret_generator(device)
     total = _box_muller(shape, generator, device, dtype)
     if not secure:
         return total
