@@ -1329,9 +1329,14 @@ def _frozen_cases():
     yield lambda: cnn(1), ["0.weight", "0.bias", "3.weight", "3.bias"]
     yield lambda: cnn(2), ["1.weight"]
     yield lambda: cnn(2), ["7.weight", "9.bias"]
+    # everything before the last Linear frozen (a head trained on random features): the frozen layers' outputs
+    # carry no autograd graph, and must not be differentiated
+    yield mlp, ["1.weight", "1.bias", "3.weight", "3.bias"]
+    yield mlp, ["1.weight", "1.bias"]
+    yield lambda: cnn(2), ["1.weight", "1.bias", "4.weight", "4.bias", "7.weight", "7.bias"]
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(11))
 def test_frozen_parameters_are_left_out_of_the_pair_norms(index: int) -> None:
     """Parameters with ``requires_grad=False`` get no gradient, so they take no share of the clip: every path's
     pair norms equal brute-force pair gradients of the trainable parameters alone (the Linear factors once

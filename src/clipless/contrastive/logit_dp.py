@@ -19,7 +19,7 @@ blocks, whose exact cross term is the costly part of a convolutional encoder's s
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -269,9 +269,12 @@ def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: Optional[int]) ->
     plain_end = all(isinstance(m, (nn.Identity, nn.Flatten)) for m in after_last)
     elementwise_between = all(isinstance(m, _KNOWN_ACTIVATIONS) for m in between)
     tail_ok = bool(r.numel() == 0 or r.min() > 1e-6)
-    kinds = []
+    kinds: List[Any] = []
     for k, out in enumerate(outs):
         target, weight = None, None
+        if not _trains(linears[k]):  # no gradient to clip; with nothing trained before it, out has no graph
+            kinds.append("frozen")
+            continue
         if tail_ok and k == last and elementwise_end:
             target = e
         elif tail_ok and k == last - 1 and plain_end and elementwise_between:
@@ -294,9 +297,9 @@ def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: Optional[int]) ->
             deltas[k] = delta.permute(1, 0, 2)
     factors = []
     for k, (m, kind) in enumerate(zip(linears, kinds)):
-        bias = m.bias is not None and m.bias.requires_grad
-        if not (m.weight.requires_grad or bias):  # frozen: no gradient of its own to clip
+        if kind == "frozen":
             continue
+        bias = m.bias is not None and m.bias.requires_grad
         h = records[id(m)][0][0]
         if not m.weight.requires_grad:  # only the bias's ones remain of the outer product's input side
             h = h.new_zeros(h.shape[0], 1)
@@ -313,6 +316,11 @@ def _layer_factors(encoder: nn.Module, x: torch.Tensor, chunk: Optional[int]) ->
     else:
         jac = _jacobian(encoder, x, chunk or CHUNK, others, u.dtype)
     return u.detach(), r, factors, jac
+
+
+def _trains(m: nn.Linear) -> bool:
+    """Whether the layer has a parameter that gets a gradient (a share of the pair norms)."""
+    return bool(m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad))
 
 
 def _plain_conv2d(m: nn.Module) -> bool:
