@@ -1416,6 +1416,37 @@ def test_tied_weights_are_summed_before_the_norm() -> None:
         pair_gradient_norms(enc, xa, xb, method="factored")
 
 
+@pytest.mark.parametrize("method", ["auto", "jacobian"])
+def test_a_module_called_twice_keeps_its_parameters(method: str) -> None:
+    """One ``nn.Linear`` module run twice in the forward (tied by reuse, not by assignment): torch's
+    ``functional_call`` put its substitute tensors back into such a module in place of its parameters, so the
+    first pair-norm pass replaced the layer's weight by a detached copy (a later pass left it out of the norms and
+    the optimizer's updates no longer reached the encoder), and the next pass crashed on the mismatched Jacobians.
+    The module keeps its parameters; every pass, the release included, matches brute-force pair gradients."""
+    torch.manual_seed(3)
+    shared = nn.Linear(6, 6)
+    enc = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(6, 4)).double()
+    before = {k: p for k, p in enc.named_parameters()}
+    xa, xb = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    expected = _norm_matrix(_pair_grads(enc, xa, xb))
+    for _ in range(2):
+        torch.testing.assert_close(pair_gradient_norms(enc, xa, xb, method=method), expected, rtol=1e-7, atol=1e-10)
+        assert {k: p for k, p in enc.named_parameters()} == before
+        assert all(type(p) is nn.Parameter and p.requires_grad for p in enc.parameters())
+    assert enc[2].weight is enc[4].weight is before["2.weight"]
+    clip = float(expected.median())
+    assert _max_clipped_pair_norm(enc, xa, xb, clip) <= clip * (1 + 1e-9)
+    brute = _pair_grads(enc, xa, xb)
+    with torch.no_grad():
+        a = logit_gradient(similarity_logits(normalized_embedding(enc, xa), normalized_embedding(enc, xb), 0.5),
+                           "spectral")
+    released = sum(a[i, j] * g * min(1.0, clip / float(g.norm())) for (i, j), g in brute.items()) / 0.5
+    for _ in range(2):
+        logit_dp_gradient(enc, xa, xb, "spectral", 0.5, clip, method=method)
+        assert {k: p for k, p in enc.named_parameters()} == before
+        torch.testing.assert_close(_grad_vector(enc), released, rtol=1e-9, atol=1e-12)
+
+
 def test_custom_module_using_a_linear_weight_directly_takes_the_exact_path() -> None:
     class Reuse(nn.Module):
         def __init__(self):

@@ -688,6 +688,19 @@ def _gamma(roundings: int, dtype: torch.dtype) -> float:
     return k_u / (1.0 - k_u)
 
 
+def _call_with(encoder: nn.Module, tensors: Any, x: torch.Tensor) -> torch.Tensor:
+    """``functional_call`` that leaves every module holding its own parameters and buffers: for a module run twice
+    in the forward (tied by reuse), torch puts the substitutes back in place of the originals, so the layer would
+    then compute with a detached copy that neither the pair norms nor the optimizer's updates reach."""
+    held = [(m, dict(m._parameters), dict(m._buffers)) for m in encoder.modules()]
+    try:
+        return functional_call(encoder, tensors, (x,))
+    finally:
+        for m, params, buffers in held:
+            m._parameters.update(params)
+            m._buffers.update(buffers)
+
+
 def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int, names: Optional[List[str]] = None,
               dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Per-example Jacobian of the normalized embedding w.r.t. the parameters ``names`` (default: all
@@ -700,7 +713,7 @@ def _jacobian(encoder: nn.Module, x: torch.Tensor, chunk: int, names: Optional[L
     buffers = dict(encoder.named_buffers())
 
     def f(p: Dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
-        e = functional_call(encoder, ({**fixed, **p}, buffers), (xi.unsqueeze(0),)).squeeze(0)
+        e = _call_with(encoder, ({**fixed, **p}, buffers), xi.unsqueeze(0)).squeeze(0)
         return F.normalize(e, dim=0)
 
     parts, alone = [], []
@@ -1034,8 +1047,8 @@ def logit_dp_gradient(
     # The released gradient is taken at fresh leaves: hooks put on the parameters themselves (which no one
     # can list) never see it, so it is exactly sum_ij lambda_ij grad Z_ij.
     leaves = {k: p.detach().requires_grad_() for k, p in encoder.named_parameters() if p.requires_grad}
-    u = F.normalize(functional_call(encoder, leaves, (xa,)), dim=1)
-    v = F.normalize(functional_call(encoder, leaves, (xb,)), dim=1)
+    u = F.normalize(_call_with(encoder, leaves, xa), dim=1)
+    v = F.normalize(_call_with(encoder, leaves, xb), dim=1)
     if not (torch.isfinite(u).all() and torch.isfinite(v).all() and torch.isfinite(factor).all()):
         raise ValueError("the encoder's embeddings or their pair gradient norms are NaN or infinite (an overflow in "
                          "the encoder): no pair gradient can be clipped; rescale the inputs or the weights")
