@@ -54,7 +54,8 @@ def run(args: argparse.Namespace, data, method: str, seed: int) -> dict:
         pairs = AugmentedPairs(data.train.features, padding=args.crop_padding, flip=False, seed=seed, blur=args.blur,
                                pixel_noise=args.pixel_noise)
         trainer = ContrastivePretrainer(
-            encoder, make_optimizer(args, param_groups(encoder, args.lr, args.conv_lr_scale)), pairs, method=method,
+            encoder, make_optimizer(args, param_groups(encoder, args.lr, args.conv_lr_scale, args.trained)), pairs,
+            method=method,
             loss=args.loss, tau=args.tau, clip_norm=args.clip_logit if method == "logit_dp" else args.clip_naive,
             batch_size=args.batch_size, epochs=args.epochs, delta=args.delta,
             target_epsilon=None if method == "nonprivate" else args.epsilon, progress=False, log=None,
@@ -76,10 +77,19 @@ def make_optimizer(args: argparse.Namespace, groups: list) -> torch.optim.Optimi
     return torch.optim.Adam(groups)
 
 
-def param_groups(encoder: torch.nn.Module, lr: float, conv_lr_scale: float) -> list:
+def param_groups(encoder: torch.nn.Module, lr: float, conv_lr_scale: float, trained: str = "all") -> list:
     """The optimizer's groups: the convolutions at ``lr * conv_lr_scale``, the rest at ``lr``.  Scale 0 freezes the
     convolutions (``requires_grad`` off): the pre-training then clips, noises and trains the dense layers only,
-    on top of the random convolutional features."""
+    on top of the random convolutional features.  ``trained="head"`` freezes everything but the last Linear,
+    ``"convolutions"`` everything but the convolutions (random dense layers read what they learn)."""
+    if trained != "all":
+        kind = torch.nn.Conv2d if trained == "convolutions" else torch.nn.Linear
+        layers = [m for m in encoder.modules() if isinstance(m, kind)]
+        kept = layers if trained == "convolutions" else layers[-1:]
+        ids = {id(p) for m in kept for p in m.parameters()}
+        for p in encoder.parameters():
+            p.requires_grad_(id(p) in ids)
+        return [{"params": [p for p in encoder.parameters() if id(p) in ids], "lr": lr}]
     convs = [p for m in encoder.modules() if isinstance(m, torch.nn.Conv2d) for p in m.parameters()]
     ids = {id(p) for p in convs}
     rest = [p for p in encoder.parameters() if id(p) not in ids]
@@ -140,6 +150,9 @@ def main() -> None:
     p.add_argument("--conv-lr-scale", type=float, default=1.0, metavar="S",
                    help="cnn encoder: the convolutions learn at S times --lr; 0 freezes them (random features, "
                    "only the dense layers are pre-trained, for every method)")
+    p.add_argument("--trained", choices=["all", "head", "convolutions"], default="all",
+                   help="what pre-training trains, for every method: the whole encoder, its last Linear only, or "
+                   "its convolutions only (cnn); the rest stays at its random initialization")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
                    help="the pre-training optimizer, for every method; sgd needs each method's own --lr (on "
                    "MNIST about 1 for Logit-DP and 100-400 for Naive-DP, chosen on validation in docs/results.md)")
@@ -161,6 +174,10 @@ def main() -> None:
     args = p.parse_args()
     if not args.conv_lr_scale >= 0:
         raise SystemExit(f"--conv-lr-scale must be >= 0, got {args.conv_lr_scale}")
+    if args.trained != "all" and args.conv_lr_scale != 1:
+        raise SystemExit("--trained and --conv-lr-scale both choose what trains: give one")
+    if args.trained == "convolutions" and args.encoder != "cnn":
+        raise SystemExit("--trained convolutions needs --encoder cnn")
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.backends.cudnn.conv.fp32_precision = "ieee"
