@@ -640,6 +640,66 @@ def test_methods_replaced_on_a_layer_class_after_make_private_refused(monkeypatc
         opt.step()
 
 
+def _scaled(fn, factor=1.5):
+    return lambda *args, **kwargs: factor * fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where, name, value", [
+    ("torch.nn.functional", "linear", lambda: _scaled(torch.nn.functional.linear)),
+    ("clipless.nn.layers", "max_min", lambda: _scaled(__import__("clipless.nn.layers").nn.layers.max_min)),
+    ("torch", "maximum", lambda: _scaled(torch.maximum)),
+    ("torch.Tensor", "mm", lambda: _scaled(torch.Tensor.mm)),  # a method of torch's C base, shadowed
+    ("clipless.nn.linear", "max", lambda: _scaled(max)),  # a builtin, shadowed in a layer's module
+    ("clipless.privacy.certified", "certified_bjorck_step", lambda: lambda *a, **k: (a[0], 0.5)),
+])
+def test_functions_replaced_globally_after_make_private_refused(monkeypatch, where, name, value):
+    """A function replaced in its namespace after make_private (``torch.nn.functional.linear = ...``) changes
+    every layer that calls it, or the certificate of the weights' norms, past every check on the layers: a 1.5x
+    ``F.linear`` released steps (the summed-gradient check sees only gross excess). The namespaces the layers and
+    certificates read are now compared at every forward and step; put back, training goes on. Torch's lazily
+    added attributes and plain values are not changes."""
+    import importlib
+
+    engine, model, opt, loader = _engine_setup()
+    loss = cl.TauCrossEntropy(4.0)
+    x, y = _data().features[:8], _data().labels[:8]
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    space = torch.Tensor if where == "torch.Tensor" else importlib.import_module(where)
+    original = vars(space).get(name)
+    monkeypatch.setattr(space, name, value(), raising=False)
+    opt.zero_grad()
+    with pytest.raises(BoundError, match=f"{where}.{name} was replaced after the bounds were set up"):
+        loss.per_example(model(x), y).sum().backward()
+        opt.step()
+    if original is None:
+        monkeypatch.delattr(space, name)
+    else:
+        monkeypatch.setattr(space, name, original)
+    monkeypatch.setattr(torch, "_clipless_lazily_added", 1, raising=False)  # not a change
+    monkeypatch.setattr(importlib.import_module("clipless.nn.layers"), "_a_plain_value", 2, raising=False)
+    steps = engine.accountant.steps
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == steps + 1
+
+
+def test_a_function_replaced_for_the_forward_only_is_refused(monkeypatch):
+    """Replaced for the forward and put back before ``step()``: the forward's own check names it."""
+    engine, model, opt, loader = _engine_setup()
+    loss = cl.TauCrossEntropy(4.0)
+    x, y = _data().features[:8], _data().labels[:8]
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", _scaled(linear))
+    out = model(x)
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    loss.per_example(out, y).sum().backward()
+    with pytest.raises(BoundError, match="torch.nn.functional.linear was replaced"):
+        opt.step()
+    assert engine.accountant.steps == 0
+
+
 def test_hooks_that_change_outputs_refused():
     model = _model()
     model[2].register_forward_hook(lambda m, a, out: out * 100)

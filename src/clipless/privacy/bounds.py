@@ -20,6 +20,7 @@ add/remove sensitivity of that layer's summed gradient.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -95,6 +96,57 @@ _TORCH_SETTINGS: Dict[type, Tuple[str, ...]] = {
 # The methods a module's class computes with, compared at every forward and step with their values when the bounds
 # were set up.
 _CLASS_METHODS = ("forward", "layer_bound", "project_", "per_example") + CLASS_CALL_PATH
+
+
+# Where the layers' forwards and the bounds' certificates find their functions.  One replaced there after the bounds
+# were set up (torch.nn.functional.linear = ...) changes every layer that calls it, past every check on the layers
+# themselves.  (The noise and the accountant are other concerns: a function replaced there is not one the bounds
+# describe.)
+_FUNCTION_NAMESPACES = ("builtins", "math", "torch", "torch.nn.functional", "torch.linalg", "torch.fft",
+                        "torch.special", "clipless.privacy.bounds", "clipless.privacy.certified",
+                        "clipless.privacy.modules")
+
+
+class FunctionNamespaces:
+    """The callables of torch's, Python's, clipless' layers' and certificates' namespaces (and ``torch.Tensor``'s
+    methods) as they were when the bounds were set up.
+
+    :meth:`change` runs at every forward and step: one dict comparison per namespace (a C loop) in the common case;
+    only when one differs are its entries compared one by one.  A callable replaced, or a name added to a module
+    that shadows a builtin or to ``torch.Tensor`` (shadowing a method of its base), is a change; other additions
+    (torch's lazily loaded attributes) and plain values set are not."""
+
+    def __init__(self) -> None:
+        names = [n for n in _FUNCTION_NAMESPACES if n in sys.modules]
+        names += sorted(n for n in list(sys.modules) if n == "clipless.nn" or n.startswith("clipless.nn."))
+        self._spaces: List[Tuple[str, Any]] = [(n, vars(sys.modules[n])) for n in names]
+        self._spaces.append(("torch.Tensor", vars(torch.Tensor)))
+        self._seen = [dict(space) for _, space in self._spaces]
+        self._callables = [{k: v for k, v in seen.items() if callable(v)} for seen in self._seen]
+        self._builtins = frozenset(k for k, v in vars(sys.modules["builtins"]).items() if callable(v))
+
+    def change(self) -> Optional[str]:
+        """The first function replaced since the snapshot (``"torch.nn.functional.linear"``), or ``None``."""
+        for i, (name, space) in enumerate(self._spaces):
+            try:
+                if space == self._seen[i]:
+                    continue
+            except Exception:  # a plain value replaced by one whose == does not give a bool (a tensor): look closer
+                pass
+            for key, fn in self._callables[i].items():
+                if space.get(key) is not fn:
+                    return f"{name}.{key}"
+            for key in set(space) - set(self._seen[i]):
+                if callable(space[key]) and (name == "torch.Tensor" or key in self._builtins):
+                    return f"{name}.{key}"
+            self._seen[i] = dict(space)  # only lazy attributes or plain values changed: compare with them from now
+        return None
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "FunctionNamespaces":
+        return self  # it describes the interpreter's namespaces, which a copy of a run shares
+
+    def __reduce__(self) -> Any:
+        return (FunctionNamespaces, ())
 
 
 def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]) -> Optional[LayerBound]:
@@ -211,6 +263,7 @@ class BoundEngine(DeclaredConstants):
         if check is not None:
             check(self.output_shape)
         self._declared = self._declared_constants()
+        self._functions = FunctionNamespaces()
 
     @property
     def leaves(self) -> Tuple[nn.Module, ...]:
@@ -336,6 +389,11 @@ class BoundEngine(DeclaredConstants):
         would leave a cached bound (a conv's norm, kept for unchanged weights) describing another layer; a torch
         activation's setting (``negative_slope``) is a plain attribute.  The step guard asks at every forward
         too: a value changed for the forward and put back before ``step()`` would pass a check at the step."""
+        replaced = self._functions.change()
+        if replaced is not None:
+            return (f"{replaced} was replaced after the bounds were set up (a function assigned in its namespace, "
+                    "e.g. torch.nn.functional.linear = ...): every layer that calls it now computes other than its "
+                    "bound describes; put the original back")
         current = self._declared_constants()
         if current == self._declared:
             return None
