@@ -644,6 +644,16 @@ def _scaled(fn, factor=1.5):
     return lambda *args, **kwargs: factor * fn(*args, **kwargs)
 
 
+def _scaled_functional():
+    """A stand-in for ``torch.nn.functional`` whose ``linear`` is 1.5x."""
+    import types
+
+    fake = types.ModuleType("functional")
+    fake.__dict__.update(vars(torch.nn.functional))
+    fake.linear = _scaled(torch.nn.functional.linear)
+    return fake
+
+
 @pytest.mark.parametrize("where, name, value", [
     ("torch.nn.functional", "linear", lambda: _scaled(torch.nn.functional.linear)),
     ("clipless.nn.layers", "max_min", lambda: _scaled(__import__("clipless.nn.layers").nn.layers.max_min)),
@@ -651,6 +661,7 @@ def _scaled(fn, factor=1.5):
     ("torch.Tensor", "mm", lambda: _scaled(torch.Tensor.mm)),  # a method of torch's C base, shadowed
     ("clipless.nn.linear", "max", lambda: _scaled(max)),  # a builtin, shadowed in a layer's module
     ("clipless.privacy.certified", "certified_bjorck_step", lambda: lambda *a, **k: (a[0], 0.5)),
+    ("clipless.nn.linear", "F", lambda: _scaled_functional()),  # the module a layer reads F.linear from
 ])
 def test_functions_replaced_globally_after_make_private_refused(monkeypatch, where, name, value):
     """A function replaced in its namespace after make_private (``torch.nn.functional.linear = ...``) changes

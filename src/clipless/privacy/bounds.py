@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -112,17 +113,23 @@ class FunctionNamespaces:
     methods) as they were when the bounds were set up.
 
     :meth:`change` runs at every forward and step: one dict comparison per namespace (a C loop) in the common case;
-    only when one differs are its entries compared one by one.  A callable replaced, or a name added to a module
+    only when one differs are its entries compared one by one.  A callable or a module replaced (a layer module's
+    ``F``), or a name added to a module
     that shadows a builtin or to ``torch.Tensor`` (shadowing a method of its base), is a change; other additions
     (torch's lazily loaded attributes) and plain values set are not."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer_modules: Sequence[str] = ()) -> None:
         names = [n for n in _FUNCTION_NAMESPACES if n in sys.modules]
         names += sorted(n for n in list(sys.modules) if n == "clipless.nn" or n.startswith("clipless.nn."))
+        # the torch modules defining the model's torch layers (nn.ReLU reads F from torch.nn.modules.activation)
+        names += sorted({n for n in layer_modules if n.startswith("torch.") and n in sys.modules} - set(names))
+        self._layer_modules = tuple(layer_modules)
         self._spaces: List[Tuple[str, Any]] = [(n, vars(sys.modules[n])) for n in names]
         self._spaces.append(("torch.Tensor", vars(torch.Tensor)))
         self._seen = [dict(space) for _, space in self._spaces]
-        self._callables = [{k: v for k, v in seen.items() if callable(v)} for seen in self._seen]
+        # functions, classes and modules (a layer's module's `F` swapped for another module is a change too)
+        self._callables = [{k: v for k, v in seen.items() if callable(v) or isinstance(v, types.ModuleType)}
+                           for seen in self._seen]
         self._builtins = frozenset(k for k, v in vars(sys.modules["builtins"]).items() if callable(v))
 
     def change(self) -> Optional[str]:
@@ -146,7 +153,7 @@ class FunctionNamespaces:
         return self  # it describes the interpreter's namespaces, which a copy of a run shares
 
     def __reduce__(self) -> Any:
-        return (FunctionNamespaces, ())
+        return (FunctionNamespaces, (self._layer_modules,))
 
 
 def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]) -> Optional[LayerBound]:
@@ -263,7 +270,7 @@ class BoundEngine(DeclaredConstants):
         if check is not None:
             check(self.output_shape)
         self._declared = self._declared_constants()
-        self._functions = FunctionNamespaces()
+        self._functions = FunctionNamespaces([type(m).__module__ for m in model.modules()])
 
     @property
     def leaves(self) -> Tuple[nn.Module, ...]:
