@@ -114,9 +114,8 @@ class FunctionNamespaces:
 
     :meth:`change` runs at every forward and step: one dict comparison per namespace (a C loop) in the common case;
     only when one differs are its entries compared one by one.  A callable or a module replaced (a layer module's
-    ``F``), or a name added to a module
-    that shadows a builtin or to ``torch.Tensor`` (shadowing a method of its base), is a change; other additions
-    (torch's lazily loaded attributes) and plain values set are not."""
+    ``F``), or a name added to a module that shadows a builtin or to ``torch.Tensor`` (shadowing a method of its
+    base), is a change; other additions (torch's lazily loaded attributes) and plain values set are not."""
 
     def __init__(self, layer_modules: Sequence[str] = ()) -> None:
         names = [n for n in _FUNCTION_NAMESPACES if n in sys.modules]
