@@ -1416,6 +1416,23 @@ def test_tied_weights_are_summed_before_the_norm() -> None:
         pair_gradient_norms(enc, xa, xb, method="factored")
 
 
+def test_a_torch_mode_is_refused() -> None:
+    """A dispatch mode sees every operation, and may act on the pass that measures the pair norms otherwise than on
+    the one that differentiates them (here: every matrix product 1.5x, the norms' own products included)."""
+
+    class Products(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 1.5 if func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default) else out
+
+    enc = _mlp(0)
+    xa, xb = torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 12, dtype=torch.float64)
+    with Products(), pytest.raises(ValueError, match="a torch function or dispatch mode"):
+        logit_dp_gradient(enc, xa, xb, "spectral", 0.5, 0.1)
+    with torch.device("cpu"):  # places new tensors only
+        logit_dp_gradient(enc, xa, xb, "spectral", 0.5, 0.1)
+
+
 @pytest.mark.parametrize("method", ["auto", "jacobian"])
 def test_a_module_called_twice_keeps_its_parameters(method: str) -> None:
     """One ``nn.Linear`` module run twice in the forward (tied by reuse, not by assignment): torch's

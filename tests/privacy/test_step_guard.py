@@ -960,6 +960,64 @@ def test_a_backward_changed_inside_the_model_by_a_node_hook_refused():
     _refused(opt, engine, r"layer '0': the summed gradient has a norm above .*the backward was changed")
 
 
+class _ScaleLinear(torch.overrides.TorchFunctionMode):
+    """1.5x every F.linear: the kind of change a function mode can make to every layer at once."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 1.5 if func is torch.nn.functional.linear else out
+
+
+class _ScaleProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """1.5x every matrix product, at the dispatcher (forward and backward alike)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 1.5 if func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default) else out
+
+
+class _Scaled(torch.Tensor):
+    """An input whose class scales every F.linear by 1.5 and keeps its class through the forward."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.linear:
+            out = out * 1.5
+        return out.as_subclass(cls) if isinstance(out, torch.Tensor) else out
+
+
+@pytest.mark.parametrize("how", ["function mode", "dispatch mode", "dispatch mode, backward only", "input subclass"])
+def test_torch_modes_and_overriding_input_subclasses_refused(how):
+    """A torch function or dispatch mode sees every operation of the forward (or the backward) and may return other
+    values; 1.5x on the products released steps past the certified bound, unseen by every hook check (the summed
+    gradient check sees only gross excess). A tensor subclass with its own ``__torch_function__`` as input does the
+    same from inside the batch. ``torch.device(...)``, which only places new tensors, is accepted."""
+    model, opt, loss, engine, x, y = _setup()
+    if how == "function mode":
+        with _ScaleLinear():
+            out = model(x)
+        loss.per_example(out, y).sum().backward()
+    elif how == "dispatch mode":
+        with _ScaleProducts():
+            out = model(x)
+        loss.per_example(out, y).sum().backward()
+    elif how == "dispatch mode, backward only":
+        total = loss.per_example(model(x), y).sum()
+        with _ScaleProducts():
+            total.backward()
+    else:
+        loss.per_example(model(x.as_subclass(_Scaled)), y).sum().backward()
+    message = "the input was a _Scaled" if how == "input subclass" else "a torch function or dispatch mode"
+    _refused(opt, engine, message)
+    opt.zero_grad()
+    with torch.device("cpu"):
+        loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
 @pytest.mark.parametrize("when", ["before the forward", "before the step"])
 def test_the_sum_check_switched_off_by_hand_is_refused(when):
     """``opt.guard.sum_check = False`` was a plain attribute: with it, the node hook above released a gradient 100

@@ -30,8 +30,8 @@ from torch.nn.modules.utils import _pair
 from ..privacy.certified import whole_number
 from ..privacy.accounting import check_positive_finite
 from ..privacy.certified import ieee_matmul
-from ..privacy.input_guard import (check_precision, global_hooks_registered, module_hooks, replaced_forward,
-                                   saved_tensor_hooks_active)
+from ..privacy.input_guard import (active_torch_mode, check_precision, global_hooks_registered, module_hooks,
+                                   replaced_forward, saved_tensor_hooks_active)
 
 __all__ = [
     "CONTRASTIVE_LOSSES",
@@ -956,6 +956,10 @@ def _refuse_hooks(encoder: nn.Module) -> None:
     if saved_tensor_hooks_active():
         raise ValueError("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, torch.utils.checkpoint) "
                          "are active: the backward might not use the forward's values; run outside them")
+    mode = active_torch_mode()
+    if mode is not None:  # it may act on the pass that measures the pair norms otherwise than on the release
+        raise ValueError(f"a torch function or dispatch mode ({mode}) is active: it can change the operations of the "
+                         "pass that measures the pair norms and of the one that differentiates them; run outside it")
 
 
 def _refuse_custom_functions(outputs: Sequence[torch.Tensor]) -> None:

@@ -55,8 +55,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .certified import BoundError, DeclaredConstants, ieee_convolutions, ieee_matmul
 
 __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm", "unwatched",
-           "global_hooks_registered", "module_hooks", "saved_tensor_hooks_active", "replaced_forward",
-           "redefined_call_path", "CLASS_CALL_PATH",
+           "global_hooks_registered", "module_hooks", "active_torch_mode", "saved_tensor_hooks_active",
+           "replaced_forward", "redefined_call_path", "CLASS_CALL_PATH",
            "check_precision", "row_digests", "batch_row_digests", "digest_seed", "use_digest_seed", "rows_repeated",
            "undrawn_records",
            "backward_pass_id",
@@ -267,6 +267,38 @@ def saved_tensor_hooks_active() -> bool:
     backward values other than the forward's."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # only the innermost pair applies
     return hooks is not None and tuple((h.__module__, h.__qualname__) for h in hooks) not in _VALUE_PRESERVING
+
+
+def active_torch_mode() -> Optional[str]:
+    """The name of the torch function or dispatch mode active now (``with MyMode(): ...``), or ``None``: a mode sees
+    every operation of the forward or the backward and may return other values.  Torch's value-preserving ones
+    are accepted: ``torch.device(...)`` and ``torch.set_default_device`` only choose where new tensors are made,
+    ``torch.autograd.graph.allow_mutation_on_saved_tensors`` clones a saved tensor before it is changed in place."""
+    if not (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()):
+        return None  # the common case: two C calls
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    preserving = (DeviceContext, getattr(torch.autograd.graph, "_CloneArgBeforeMutateMode", DeviceContext))
+    modes = list(_get_current_function_mode_stack()) + list(_get_current_dispatch_mode_stack())
+    modes = [m for m in modes if type(m) not in preserving]
+    return type(modes[0]).__name__ if modes else None
+
+
+def _overriding_subclass(x: Any) -> Optional[str]:
+    """Why an input of a ``torch.Tensor`` subclass with its own ``__torch_function__`` or ``__torch_dispatch__``
+    could change the forward (each operation on it goes through its class first), or ``None``."""
+    cls = type(x)
+    if not isinstance(x, torch.Tensor) or cls is torch.Tensor:
+        return None
+    function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+    # torch.Tensor's own, or torch's pass-through (nn.Parameter's): both compute the operation as it is
+    plain = function in (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+    if not plain or getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+        return (f"the input was a {cls.__name__}, a torch.Tensor subclass whose own __torch_function__ or "
+                "__torch_dispatch__ sees every operation of the forward; pass plain tensors")
+    return None
 
 
 def module_hooks(module: nn.Module) -> List[Any]:
@@ -640,7 +672,7 @@ class StepGuard:
                      and isinstance(x, torch.Tensor))
         self._entry_digests = row_digests(x) if recording else None
         # hooks act from the forward on (a module's backward hooks are wired in at its call): one look, at entry
-        self._hooked_at_entry = None if self._paused else self._hooked()
+        self._hooked_at_entry = None if self._paused else self._hooked() or _overriding_subclass(x)
         # a compiled forward that could reach a step is refused by the input guard, which runs next
         self._changed_at_entry = None if self._paused or torch.compiler.is_compiling() else self.model_changed()
 
@@ -654,6 +686,10 @@ class StepGuard:
         if saved_tensor_hooks_active():
             return ("saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, torch.utils.checkpoint) were "
                     "active: the backward might not use the forward's values")
+        mode = active_torch_mode()
+        if mode is not None:
+            return (f"a torch function or dispatch mode ({mode}) was active: it can change every operation of the "
+                    "forward")
         return None
 
     def _gate(self, weight: torch.Tensor) -> torch.Tensor:
@@ -730,7 +766,11 @@ class StepGuard:
             why = "a forward backpropagated twice: the batch's gradient would count twice; one backward per forward"
         elif record.hooked is not None:
             why = (f"during the private model's forward, {record.hooked}: the per-example bounds describe the model "
-                   "without hooks; remove them")
+                   "without hooks or modes; remove them")
+        elif active_torch_mode() is not None:
+            why = (f"during the backward, a torch function or dispatch mode ({active_torch_mode()}) was active: it "
+                   "can change every operation of the backward, which the per-example bounds describe without it; "
+                   "run the backward outside it")
         elif record.changed is not None:
             why = f"at the private model's forward, {record.changed}"
         elif changed_now is not None:
