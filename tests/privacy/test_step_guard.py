@@ -1018,6 +1018,29 @@ def test_torch_modes_and_overriding_input_subclasses_refused(how):
     assert engine.accountant.steps == 1
 
 
+@pytest.mark.parametrize("how", ["data", "numpy", "storage"])
+def test_an_input_batch_changed_past_autograd_after_the_forward_refused(how):
+    """The first layer saves its input for the backward. Changed in place after the forward where autograd's version
+    counters do not see it (``x.data``, a NumPy view, the storage), the backward used rows 1.5x those the forward
+    checked against the input bound, and the step released them: the sum check sees only gross excess."""
+    model, opt, loss, engine, x, y = _setup()
+    x = x.clone()
+    out = model(x)
+    if how == "data":
+        x.data.mul_(1.5)
+    elif how == "numpy":
+        x.numpy()[:] *= 1.5
+    else:
+        torch.tensor([], dtype=x.dtype).set_(x.untyped_storage()).mul_(1.5)  # another tensor on its storage
+    loss.per_example(out, y).sum().backward()
+    _refused(opt, engine, "the forward's input batch was changed in place after the forward")
+    opt.zero_grad()
+    x.data.div_(1.5)  # as the batch was: accepted
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
 @pytest.mark.parametrize("when", ["before the forward", "before the step"])
 def test_the_sum_check_switched_off_by_hand_is_refused(when):
     """``opt.guard.sum_check = False`` was a plain attribute: with it, the node hook above released a gradient 100

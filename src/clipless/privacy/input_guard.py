@@ -435,11 +435,13 @@ class _ForwardRecord:
     """One gradient-recording forward of the private model, until its backward reaches the output."""
 
     __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked", "changed", "digests",
-                 "task")
+                 "task", "entry")
 
     def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str],
-                 digests: Optional[torch.Tensor], changed: Optional[str] = None) -> None:
+                 digests: Optional[torch.Tensor], changed: Optional[str] = None,
+                 entry: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         self.guard, self.epoch, self.snapshot = guard, epoch, snapshot
+        self.entry = entry  # the forward's input and a copy of it as the forward read it, or None
         self.hooked = hooked  # why the forward may not compute what the bounds describe (hooks), or None
         self.changed = changed  # why the model at the forward differs from the bounds' (a constant, a buffer), or None
         self.digests = digests  # row_digests of the forward's input
@@ -620,6 +622,7 @@ class StepGuard:
         self._hooked_at_entry: Optional[str] = None
         self._changed_at_entry: Optional[str] = None
         self._entry_digests: Optional[torch.Tensor] = None
+        self._entry: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._forward: List[_ForwardRecord] = []
         # Row digests of the forwards' inputs are read only by the optimizer's check against a watched loader's
         # batch (DPOptimizer.watch_batches turns them on): without one they would be computed for nothing.
@@ -671,6 +674,10 @@ class StepGuard:
         recording = (self.digest_inputs and not self._paused and torch.is_grad_enabled()
                      and isinstance(x, torch.Tensor))
         self._entry_digests = row_digests(x) if recording else None
+        # the backward reads the input again (the first layer saves it): kept to see a change made past autograd's
+        # version counters (.data, a NumPy view), which would give the backward rows the input bound never saw
+        self._entry = ((x, x.detach().clone()) if not self._paused and torch.is_grad_enabled()
+                       and isinstance(x, torch.Tensor) else None)
         # hooks act from the forward on (a module's backward hooks are wired in at its call): one look, at entry
         self._hooked_at_entry = None if self._paused else self._hooked() or _overriding_subclass(x)
         # a compiled forward that could reach a step is refused by the input guard, which runs next
@@ -711,7 +718,7 @@ class StepGuard:
         if self._snapshot is None or self._weights_differ(self._snapshot):
             self._snapshot = [p.detach().clone() for p in self.params]
         record = _ForwardRecord(self, self.epoch, self._snapshot, self._hooked_at_entry, self._entry_digests,
-                                self._changed_at_entry)
+                                self._changed_at_entry, self._entry)
         self._forward.append(record)
         gated = _Tap.apply(output, functools.partial(self._output_grad, record))  # after the output's own hooks
         setattr(gated, _RECORD_ATTR, record)
@@ -775,6 +782,10 @@ class StepGuard:
             why = f"at the private model's forward, {record.changed}"
         elif changed_now is not None:
             why = f"at the backward into the private model's output, {changed_now}"
+        elif record.entry is not None and not torch.equal(record.entry[0].detach(), record.entry[1]):
+            why = ("the forward's input batch was changed in place after the forward (through .data, a NumPy view or "
+                   "its storage): the backward reads it again, so it would use rows the input bound never checked; "
+                   "leave the batch as it is until the backward")
         elif loss_grad is None:
             why = ("the backward into the private model's output did not come from a clipless loss applied to that "
                    "output: backpropagate loss.per_example(model(x), y).sum()")
