@@ -644,6 +644,13 @@ def _scaled(fn, factor=1.5):
     return lambda *args, **kwargs: factor * fn(*args, **kwargs)
 
 
+def _scaling_torch_function(cls, func, types, args=(), kwargs=None):
+    """``torch.Tensor.__torch_function__`` with every F.linear 1.5x."""
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **(kwargs or {}))
+    return out * 1.5 if func is torch.nn.functional.linear else out
+
+
 def _scaled_functional():
     """A stand-in for ``torch.nn.functional`` whose ``linear`` is 1.5x."""
     import types
@@ -662,6 +669,7 @@ def _scaled_functional():
     ("clipless.nn.linear", "max", lambda: _scaled(max)),  # a builtin, shadowed in a layer's module
     ("clipless.privacy.certified", "certified_bjorck_step", lambda: lambda *a, **k: (a[0], 0.5)),
     ("clipless.nn.linear", "F", lambda: _scaled_functional()),  # the module a layer reads F.linear from
+    ("torch.Tensor", "__torch_function__", lambda: classmethod(_scaling_torch_function)),  # not callable itself
 ])
 def test_functions_replaced_globally_after_make_private_refused(monkeypatch, where, name, value):
     """A function replaced in its namespace after make_private (``torch.nn.functional.linear = ...``) changes

@@ -126,9 +126,11 @@ class FunctionNamespaces:
         self._spaces: List[Tuple[str, Any]] = [(n, vars(sys.modules[n])) for n in names]
         self._spaces.append(("torch.Tensor", vars(torch.Tensor)))
         self._seen = [dict(space) for _, space in self._spaces]
-        # functions, classes and modules (a layer's module's `F` swapped for another module is a change too)
-        self._callables = [{k: v for k, v in seen.items() if callable(v) or isinstance(v, types.ModuleType)}
-                           for seen in self._seen]
+        # functions, classes and modules (a layer's module's `F` swapped for another module is a change too); of
+        # torch.Tensor every entry (its __torch_function__ is a classmethod, which is not callable)
+        self._callables = [dict(seen) if name == "torch.Tensor" else
+                           {k: v for k, v in seen.items() if callable(v) or isinstance(v, types.ModuleType)}
+                           for (name, _), seen in zip(self._spaces, self._seen)]
         self._builtins = frozenset(k for k, v in vars(sys.modules["builtins"]).items() if callable(v))
 
     def change(self) -> Optional[str]:
