@@ -765,6 +765,7 @@ class StepGuard:
         lipschitz = self.loss_lipschitz()
         # the loss's constant checked below is read now: it must still be the bounds' (not raised for this backward)
         changed_now = None if self._paused else self.model_changed()
+        mode_now = active_torch_mode()  # a mode around this backward acts on every operation of it
         norms = torch.linalg.vector_norm(grad.detach().flatten(1).double(), dim=1)  # each example's loss gradient
         largest = float(norms.max()) if norms.numel() else 0.0
         if record.epoch != self.epoch:
@@ -774,8 +775,8 @@ class StepGuard:
         elif record.hooked is not None:
             why = (f"during the private model's forward, {record.hooked}: the per-example bounds describe the model "
                    "without hooks or modes; remove them")
-        elif active_torch_mode() is not None:
-            why = (f"during the backward, a torch function or dispatch mode ({active_torch_mode()}) was active: it "
+        elif mode_now is not None:
+            why = (f"during the backward, a torch function or dispatch mode ({mode_now}) was active: it "
                    "can change every operation of the backward, which the per-example bounds describe without it; "
                    "run the backward outside it")
         elif record.changed is not None:
