@@ -671,13 +671,11 @@ class StepGuard:
         self._inside = True
         self._gates = {}
         self._forward: List[_ForwardRecord] = []  # this forward's record, once made: its gates check against it
-        recording = (self.digest_inputs and not self._paused and torch.is_grad_enabled()
-                     and isinstance(x, torch.Tensor))
-        self._entry_digests = row_digests(x) if recording else None
+        stepping = not self._paused and torch.is_grad_enabled() and isinstance(x, torch.Tensor)
+        self._entry_digests = row_digests(x) if stepping and self.digest_inputs else None
         # the backward reads the input again (the first layer saves it): kept to see a change made past autograd's
         # version counters (.data, a NumPy view), which would give the backward rows the input bound never saw
-        self._entry = ((x, x.detach().clone()) if not self._paused and torch.is_grad_enabled()
-                       and isinstance(x, torch.Tensor) else None)
+        self._entry = (x, x.detach().clone()) if stepping else None
         # hooks act from the forward on (a module's backward hooks are wired in at its call): one look, at entry
         self._hooked_at_entry = None if self._paused else self._hooked() or _overriding_subclass(x)
         # a compiled forward that could reach a step is refused by the input guard, which runs next
