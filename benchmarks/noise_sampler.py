@@ -25,12 +25,14 @@ from clipless.privacy.randomness import secret_generator
 
 _SECRET = secret_generator()
 
+# ``g`` is a seeded torch generator (MT19937: an experiment's draws); a private run's generator is secret, and its
+# bits come from an AES key stream
 SAMPLERS = {
     "torch.randn (float32)": lambda n, g: torch.randn(n, generator=g),
-    "clipless gaussian": lambda n, g: gaussian(n, g),
-    "clipless gaussian, secure": lambda n, g: gaussian(n, g, secure=True),
-    # what a private run's secure mode draws: its generator is secret, so the bits come from os.urandom
-    "clipless gaussian, secure, OS bits": lambda n, g: gaussian(n, _SECRET, secure=True),
+    "gaussian, seeded": lambda n, g: gaussian(n, g),
+    "gaussian, secret (AES)": lambda n, g: gaussian(n, _SECRET),
+    "gaussian, secure, seeded": lambda n, g: gaussian(n, g, secure=True),
+    "gaussian, secure, secret": lambda n, g: gaussian(n, _SECRET, secure=True),
 }
 
 

@@ -62,14 +62,14 @@ def test_dpsgd_noise_reaches_past_torchs_float32_bound(digits, monkeypatch):
 
     from clipless.privacy import noise
 
-    real_bits = noise._pair_bits
+    real_bits = noise.mechanism_words
 
     def extreme_bits(*args, **kwargs):  # the first pair's radius bits all ones, its angle 0 (cosine 1)
         bits = real_bits(*args, **kwargs)
         bits[0] = (2 ** 39 - 1) << 24
         return bits
 
-    monkeypatch.setattr(noise, "_pair_bits", extreme_bits)
+    monkeypatch.setattr(noise, "mechanism_words", extreme_bits)
     monkeypatch.setattr(noise, "_TAIL_LEVEL", 1e9)
     model = torch.nn.Linear(4, 1, bias=False)
     loader = DataLoader(TensorDataset(torch.zeros(8, 4), torch.zeros(8)), batch_size=8)

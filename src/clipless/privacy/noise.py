@@ -8,13 +8,12 @@ then every gradient is divided by the *expected* batch size ``b = qN``.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
 from .bounds import BoundReport
-from .randomness import is_secret_generator, secret_generator
+from .randomness import is_secret_generator, mechanism_words, secret_generator
 
 __all__ = [
     "STRATEGIES",
@@ -48,26 +47,6 @@ _TAIL_LEVEL = 20 * math.log(2.0)
 _RADIUS_BITS, _ANGLE_BITS = 39, 24
 
 
-class _OSEntropy:
-    """Stands for a generator: the bits come from ``os.urandom`` (the kernel's cryptographic generator)."""
-
-
-OS_ENTROPY: Any = _OSEntropy()
-
-
-def _os_bits(n: int, device: Any) -> torch.Tensor:
-    """``n`` integers uniform on ``[0, 2^63)`` from ``os.urandom``."""
-    bits = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64) if n else torch.zeros(0, dtype=torch.int64)
-    return bits.bitwise_and_(2 ** 63 - 1).to(device)
-
-
-def _pair_bits(n: int, generator: Any, device: Any) -> torch.Tensor:
-    """``n`` integers uniform on ``[0, 2^63)``, one per pair of normals."""
-    if generator is OS_ENTROPY:
-        return _os_bits(n, device)
-    return torch.empty(n, dtype=torch.int64, device=device).random_(generator=generator)
-
-
 def _redraw_tail_(total: torch.Tensor, generator: Optional[torch.Generator], device: Any) -> torch.Tensor:
     """Every Exp(1) draw of ``total`` above ``20 ln 2`` replaced by ``20 ln 2`` plus a fresh draw, its conditional
     law (and so on), so that the uniforms' resolution bounds no draw (39 bits alone would stop at ``39 ln 2``, a
@@ -84,8 +63,8 @@ def _redraw_tail_(total: torch.Tensor, generator: Optional[torch.Generator], dev
 
 def _exponential_draws(n: int, generator: Optional[torch.Generator], device: Any) -> torch.Tensor:
     """``-ln(1 - u)`` for ``n`` 53-bit uniforms ``u``, in float64."""
-    if generator is OS_ENTROPY:
-        uniform = (_os_bits(n, device) >> 10).to(torch.float64).mul_(2.0 ** -53)
+    if is_secret_generator(generator):
+        uniform = (mechanism_words(generator, n, device) >> 10).to(torch.float64).mul_(2.0 ** -53)
     else:
         uniform = torch.rand(n, generator=generator, device=device, dtype=torch.float64)
     return uniform.neg_().add_(1).log_().neg_()
@@ -100,7 +79,7 @@ def _box_muller(shape: Any, generator: Optional[torch.Generator], device: Any, d
     shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
     n = shape.numel()
     half = (n + 1) // 2
-    bits = _pair_bits(half, generator, device)
+    bits = mechanism_words(generator, half, device)
     # 1 - u in (0, 1], exact in float64
     exponential = (bits >> _ANGLE_BITS).to(torch.float64).mul_(-(2.0 ** -_RADIUS_BITS)).add_(1).log_().neg_()
     radius = _redraw_tail_(exponential, generator, device).mul_(2).sqrt_().to(dtype)
@@ -118,14 +97,10 @@ def gaussian(shape: Any, generator: Optional[torch.Generator], device: Any = "cp
     of ``SECURE_DRAWS = 4`` draws divided by 2, still exactly ``N(0, 1)``: a floating-point sample is not a real
     Gaussian, and the gaps between the values one draw can take let an observer of ``x + noise`` tell some ``x``
     apart (Mironov, CCS 2012; Jin et al., S&P 2022); the sum fills those gaps (Holohan and Braghin, 2021), as
-    Opacus' ``secure_mode`` does.  It costs 4 draws instead of 1, and with a secret generator the bits come from
-    ``os.urandom`` instead of it: the generator (MT19937, run from OS entropy) is not cryptographic, and an adversary
-    who knows every other record and sees every iterate of a full-batch run reads its outputs, less one record's
-    gradient, in the noise, from which MT19937's state and every later draw can be solved for (its tempering is
-    linear).  A seeded generator (an experiment, not private) keeps its reproducible draws."""
-    if secure and (generator is None or is_secret_generator(generator)):
-        generator = OS_ENTROPY
-    elif generator is None:  # torch's global generator is as public as its seed (torch.manual_seed)
+    Opacus' ``secure_mode`` does.  It costs 4 draws instead of 1.  The bits of a secret generator come from its AES
+    key stream (:func:`~clipless.privacy.randomness.mechanism_words`), secure or not; a seeded generator (an
+    experiment, not private) keeps its reproducible draws."""
+    if generator is None:  # torch's global generator is as public as its seed (torch.manual_seed)
         generator = secret_generator(device)
     total = _box_muller(shape, generator, device, dtype)
     if not secure:

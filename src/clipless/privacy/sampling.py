@@ -12,7 +12,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .input_guard import batch_row_digests
 from .certified import DeclaredConstants, is_real
-from .randomness import secret_generator
+from .randomness import is_secret_generator, mechanism_words, secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
            "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS",
@@ -139,9 +139,13 @@ def realised_sample_rate(sample_rate: float) -> Fraction:
 
 def poisson_mask(num_samples: int, threshold: int, generator: torch.Generator) -> torch.Tensor:
     """Boolean mask, each entry True independently with probability ``threshold / 2^53``
-    (``threshold = poisson_threshold(q)``, so the probability is ``realised_sample_rate(q)``)."""
-    draws = torch.randint(0, 1 << SAMPLING_BITS, (num_samples,), generator=generator, dtype=torch.int64,
-                          device=generator.device)
+    (``threshold = poisson_threshold(q)``, so the probability is ``realised_sample_rate(q)``); a secret generator's
+    53-bit draws come from its AES key stream (:func:`~clipless.privacy.randomness.mechanism_words`)."""
+    if is_secret_generator(generator):
+        draws = mechanism_words(generator, num_samples, generator.device) >> (63 - SAMPLING_BITS)
+    else:
+        draws = torch.randint(0, 1 << SAMPLING_BITS, (num_samples,), generator=generator, dtype=torch.int64,
+                              device=generator.device)
     return draws < threshold
 
 
