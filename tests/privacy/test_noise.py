@@ -265,3 +265,41 @@ def test_the_trainer_the_pretrainer_and_the_cli_pass_secure_noise_on(tmp_path, m
     import json
 
     assert json.loads((out / "result.json").read_text())["config"]["secure_noise"] is True
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="os.fork is POSIX only")
+def test_a_forked_process_draws_its_own_noise_and_batches():
+    """Forks of one run (a search over os.fork, or multiprocessing's fork start) held copies of the secret
+    generator's key stream, so each fork drew the parent's noise and batches: the difference of two forks' releases
+    carried no noise. A forked process now takes a fresh key at its first draw; the parent's stream goes on."""
+    import os
+
+    from clipless.privacy.randomness import mechanism_words, secret_generator
+    from clipless.privacy.sampling import poisson_mask
+
+    gen = secret_generator()
+    mechanism_words(gen, 4, "cpu")  # the parent has drawn before the fork
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its draws, written to the pipe
+        try:
+            import signal
+
+            signal.alarm(30)  # a child stuck in a runtime that forking broke dies, and the parent reads nothing
+            drawn = torch.cat([mechanism_words(gen, 64, "cpu"), poisson_mask(64, 1 << 52, gen).long()])
+            os.write(write, drawn.numpy().tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    chunks = []
+    while True:
+        chunk = os.read(read, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    child = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.int64)
+    parent = torch.cat([mechanism_words(gen, 64, "cpu"), poisson_mask(64, 1 << 52, gen).long()])
+    assert child.numel() == parent.numel() == 128
+    assert not torch.equal(child[:64], parent[:64]) and not torch.equal(child[64:], parent[64:])
