@@ -327,6 +327,40 @@ def test_training_records_the_batch_does_not_hold_refused(slip):
     assert "DataLoader of your own" in message
 
 
+@pytest.mark.parametrize("slip", ["earlier_batch_again", "earlier_rows_mixed_in"])
+def test_records_not_read_an_earlier_batchs_row_refused(slip):
+    """With check_records=False the records are not read, so no digest of the training set tells an undrawn record
+    from a transformed row: a batch kept and trained on again at a later step (or some of its rows mixed into the
+    next batch) was released, each of its records trained on at more steps than the rate q says. The rows of every
+    released batch are now remembered; a later step whose forwards see one that its own batch does not hold is
+    refused. A plain loop over many steps is not (records drawn again in later batches included)."""
+    model, opt, loss, engine, data, loader = _setup_with_loader(data_wrapper=_RecordsReadOneByOne,
+                                                                check_records=False)
+    kept = None
+    epochs = (batch for _ in range(10) for batch in loader)  # six batches an epoch
+    for step, (bx, by) in enumerate(epochs):
+        if kept is not None and len(bx) >= 2 and step >= 12:
+            held = {tuple(r.tolist()) for r in bx}
+            if not all(tuple(r.tolist()) in held for r in kept[0]):
+                break
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+        if len(bx) >= 2:
+            kept = (bx, by)
+    assert engine.accountant.steps >= 12  # the plain loop passed, many records drawn in several of its batches
+    opt.zero_grad()
+    if slip == "earlier_batch_again":
+        n = min(len(bx), len(kept[0]))
+        loss.per_example(model(kept[0][:n]), kept[1][:n]).sum().backward()
+    else:
+        xs = bx.clone()
+        outside = [r for r in kept[0] if not any(torch.equal(r, b) for b in bx)]
+        xs[0] = outside[0]
+        loss.per_example(model(xs), by).sum().backward()
+    _refused(opt, engine, "is a training record that the batch drawn from the private loader does not hold")
+
+
 def test_declaring_more_derived_rows_than_the_drawn_copies_refused():
     """derived_rows_ exempts rows made from the drawn batch (augmented copies) from both row checks; declaring the
     whole dataset there (an augmentation of the wrong tensor, or a shortcut past the refusal above) let a step train

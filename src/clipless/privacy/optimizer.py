@@ -165,6 +165,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self._batches_released = 0
         self._external_batches = False
         self._record_digests: Optional[torch.Tensor] = None  # sorted digests of the training records
+        # without them (records not read): sorted digests of the rows earlier released batches held, in a few chunks
+        self._drawn_before: List[torch.Tensor] = []
         self._derived: Tuple[int, List[torch.Tensor]] = (-1, [])  # rows made from the batch drawn n-th: (n, digests)
         self._watched: Tuple[Any, ...] = ()  # the sampler and input guard: their declared constants, every step
         self._steps_released = 0  # by this optimizer, in this process
@@ -282,6 +284,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self._batches_released = loader.batches_drawn
         self._external_batches = bool(external_batches)
         self._record_digests = None if record_digests is None else torch.unique(record_digests)  # sorted
+        self._drawn_before = []
         self.guard.digest_inputs = True  # the rows of its batches are checked against the forwards' inputs
         self._watched = (loader.batch_sampler, input_guard)
         self._frozen = self._settings()
@@ -347,7 +350,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "for augmented copies pass augmentation_multiplicity=K to make_private and backpropagate "
                              "the mean over each example's K rows")
         shape = self.bound_engine.input_shape
-        references = [d for row_shape, d in loader.last_batch_digests if row_shape == shape]
+        drawn_rows = [d for row_shape, d in loader.last_batch_digests if row_shape == shape]
+        references = list(drawn_rows)
         if self._derived[0] == loader.batches_drawn:  # rows made from this batch count as drawn, each copy once
             references += self._derived[1]
         seen = self.guard.released_digests()
@@ -360,7 +364,10 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "augmentation_multiplicity=K and backpropagate the mean over each example's K rows (a "
                              "transform in the loop that maps distinct records to equal rows, such as rounding, "
                              "looks the same: apply it in the Dataset)")
-        if undrawn_records(seen, references, self._record_digests):
+        # records not read (check_records=False): at least a row of an earlier batch is seen (a batch kept and
+        # trained on again, say concatenated with the next one)
+        known = [self._record_digests] if self._record_digests is not None else self._drawn_before
+        if any(undrawn_records(seen, references, records) for records in known):
             raise BoundError("a row that entered the private model's forwards is a training record that the batch "
                              "drawn from the private loader does not hold: batches from a DataLoader of your own (say "
                              "zipped with the private loader to count steps) or records taken from the dataset by "
@@ -368,6 +375,12 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "used at every such step; train on the rows of the loader's batches (a transform in the "
                              "loop that maps a drawn record to another record's exact values looks the same: apply "
                              "it in the Dataset)")
+        if self._record_digests is None and drawn_rows:
+            chunks = self._drawn_before
+            chunks.append(torch.unique(torch.cat(drawn_rows)))
+            while len(chunks) > 1 and 2 * len(chunks[-1]) >= len(chunks[-2]):  # sizes halve: log-many to search
+                last = chunks.pop()
+                chunks[-1] = torch.unique(torch.cat([chunks[-1], last]))
 
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_model_state(self.bound_engine.model))
