@@ -22,7 +22,6 @@ import struct
 from typing import Any, Dict, Optional, Union
 
 import torch
-
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from .certified import is_whole
