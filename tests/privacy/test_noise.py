@@ -103,9 +103,10 @@ def test_noise_and_batches_of_a_secret_generator_come_from_its_aes_key_stream(mo
     gen = randomness.secret_generator()
     monkeypatch.undo()
     key, counter = [b for b in entropy if len(b) in (32, 16)][:2]
-    expected = Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor().update(bytes(8 * 1000))
-    words = randomness.mechanism_words(gen, 1000, "cpu")
-    assert torch.equal(words, torch.frombuffer(bytearray(expected), dtype=torch.int64) & (2**63 - 1))
+    reference = Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor()
+    for n in (1000, 200_000):  # the second draw spans several of the stream's 1 MiB chunks and goes on from the first
+        expected = torch.frombuffer(bytearray(reference.update(bytes(8 * n))), dtype=torch.int64) & (2**63 - 1)
+        assert torch.equal(randomness.mechanism_words(gen, n, "cpu"), expected)
 
     drawn = []
     real_words = randomness._KeyStream.words
