@@ -126,7 +126,7 @@ def test_poisson_sampler_default_batches_differ_between_instances():
 
 
 def _engine_setup(**kw):
-    model = _model()
+    model = kw.pop("module", None) or _model()
     engine = cl.PrivacyEngine("rdp")
     args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=_data(),
                 loss=cl.TauCrossEntropy(4.0), noise_multiplier=1.0, input_shape=SHAPE, batch_size=8.0,
@@ -621,13 +621,16 @@ def _scaled_forward(cls, factor=1.5):
     return lambda self, *args: forward(self, *args) * factor
 
 
-@pytest.mark.parametrize("cls, name, value", [
+_CLASS_REPLACEMENTS = [
     (cl.LipschitzLinear, "forward", lambda: _scaled_forward(cl.LipschitzLinear)),
     (cl.MaxMin, "forward", lambda: _scaled_forward(cl.MaxMin)),
     (nn.Sequential, "forward", lambda: _scaled_forward(nn.Sequential)),
     (cl.LipschitzLinear, "layer_bound", lambda: lambda self, x_bound, shape: LayerBound(0.5, 0.5 * x_bound)),
     (cl.LipschitzLinear, "project_", lambda: lambda self: None),
-])
+]
+
+
+@pytest.mark.parametrize("cls, name, value", _CLASS_REPLACEMENTS)
 def test_methods_replaced_on_a_layer_class_after_make_private_refused(monkeypatch, cls, name, value):
     """A method assigned on the class (``LipschitzLinear.forward = ...``) after make_private changes every instance
     past the instance-level checks: a 1.5x forward on the first layer passed the summed-gradient check (only
@@ -638,6 +641,30 @@ def test_methods_replaced_on_a_layer_class_after_make_private_refused(monkeypatc
     with pytest.raises(BoundError, match=f"its class's {name} changed after the bounds were set up"):
         empty_batch_backward(model, cl.TauCrossEntropy(4.0), SHAPE)
         opt.step()
+
+
+@pytest.mark.parametrize("cls, name, value", _CLASS_REPLACEMENTS + [
+    # a property on the class outranks nn.Module's lookup of the parameter: every forward reads 1.5 W
+    (cl.LipschitzLinear, "weight", lambda: property(lambda self: 1.5 * self._parameters["weight"])),
+])
+def test_methods_replaced_on_a_layer_class_before_make_private_refused(monkeypatch, cls, name, value):
+    """Assigned before make_private, a class's method was the one the later comparisons start from, so every
+    instance computed with it at every released step. make_private now places the methods and properties of the
+    model's torch and clipless layer classes (and of their torch and clipless bases) by their code's file; put back,
+    make_private goes through."""
+    original, model = vars(cls).get(name), _model()
+    monkeypatch.setattr(cls, name, value(), raising=False)
+    with pytest.raises(BoundError, match=f"{cls.__qualname__}.{name} \\(defined in .*\\) is not torch's"):
+        _engine_setup(module=model)
+    if original is None:
+        monkeypatch.delattr(cls, name)
+    else:
+        monkeypatch.setattr(cls, name, original)
+    engine, model, opt, _ = _engine_setup()
+    loss = cl.TauCrossEntropy(4.0)
+    loss.per_example(model(_data().features[:8]), _data().labels[:8]).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
 
 
 def _scaled(fn, factor=1.5):
@@ -661,7 +688,7 @@ def _scaled_functional():
     return fake
 
 
-@pytest.mark.parametrize("where, name, value", [
+_REPLACEMENTS = [
     ("torch.nn.functional", "linear", lambda: _scaled(torch.nn.functional.linear)),
     ("clipless.nn.layers", "max_min", lambda: _scaled(__import__("clipless.nn.layers").nn.layers.max_min)),
     ("torch", "maximum", lambda: _scaled(torch.maximum)),
@@ -670,7 +697,10 @@ def _scaled_functional():
     ("clipless.privacy.certified", "certified_bjorck_step", lambda: lambda *a, **k: (a[0], 0.5)),
     ("clipless.nn.linear", "F", lambda: _scaled_functional()),  # the module a layer reads F.linear from
     ("torch.Tensor", "__torch_function__", lambda: classmethod(_scaling_torch_function)),  # not callable itself
-])
+]
+
+
+@pytest.mark.parametrize("where, name, value", _REPLACEMENTS)
 def test_functions_replaced_globally_after_make_private_refused(monkeypatch, where, name, value):
     """A function replaced in its namespace after make_private (``torch.nn.functional.linear = ...``) changes
     every layer that calls it, or the certificate of the weights' norms, past every check on the layers: a 1.5x
@@ -702,6 +732,68 @@ def test_functions_replaced_globally_after_make_private_refused(monkeypatch, whe
     loss.per_example(model(x), y).sum().backward()
     opt.step()
     assert engine.accountant.steps == steps + 1
+
+
+def _wrapped(fn, factor=1.5):
+    """``fn`` times ``factor`` under ``fn``'s own name and module (``functools.wraps``), and one through a partial."""
+    import functools
+
+    def scaled(*args, factor=factor, **kwargs):
+        return factor * fn(*args, **kwargs)
+
+    return functools.wraps(fn)(scaled), functools.partial(scaled, factor=factor)
+
+
+@pytest.mark.parametrize("where, name, value", _REPLACEMENTS + [
+    ("torch.nn.functional", "linear", lambda: _wrapped(torch.nn.functional.linear)[0]),
+    ("torch.nn.functional", "linear", lambda: _wrapped(torch.nn.functional.linear)[1]),
+])
+def test_functions_replaced_before_make_private_refused(monkeypatch, where, name, value):
+    """Replaced before make_private, a function was the snapshot the later checks compare with, so every step was
+    released with the 1.5x layers (or certificate). make_private now places every callable of the watched
+    namespaces: a Python function by its code's file (``functools.wraps`` copies the name and module, not the
+    code), a partial by what it calls, a callable object or a class by its class's module, a module by being the
+    one imported under its name; outside torch, clipless and the standard library, it is refused. Put back, the
+    same make_private goes through, and torch's own wrappers (``import torch._dynamo`` wraps ``torch.manual_seed``)
+    are accepted."""
+    import importlib
+
+    import torch._dynamo  # noqa: F401  (its wrappers are torch's own)
+
+    space = torch.Tensor if where == "torch.Tensor" else importlib.import_module(where)
+    original = vars(space).get(name)
+    monkeypatch.setattr(space, name, value(), raising=False)
+    with pytest.raises(BoundError, match=f"{where}.{name} \\(.*\\) is not torch's, clipless' or Python's own"):
+        _engine_setup()
+    if original is None:
+        monkeypatch.delattr(space, name)
+    else:
+        monkeypatch.setattr(space, name, original)
+    engine, model, opt, _ = _engine_setup()
+    loss = cl.TauCrossEntropy(4.0)
+    loss.per_example(model(_data().features[:8]), _data().labels[:8]).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
+def test_a_shells_additions_to_builtins_are_not_refused(monkeypatch):
+    """IPython adds Python functions and objects to builtins (``display``, ``get_ipython``, an ``exit`` of its own),
+    defined outside torch, clipless and the standard library: no layer reads them, and a notebook must be able to
+    train. Only Python's own builtins are placed."""
+    import builtins
+
+    class ExitAutocall:  # IPython's exit: an object of a class defined in IPython
+        def __call__(self):
+            raise SystemExit
+
+    monkeypatch.setattr(builtins, "display", lambda *objs: None, raising=False)
+    monkeypatch.setattr(builtins, "get_ipython", ExitAutocall().__call__, raising=False)
+    monkeypatch.setattr(builtins, "exit", ExitAutocall())
+    engine, model, opt, _ = _engine_setup()
+    loss = cl.TauCrossEntropy(4.0)
+    loss.per_example(model(_data().features[:8]), _data().labels[:8]).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
 
 
 def test_a_function_replaced_for_the_forward_only_is_refused(monkeypatch):

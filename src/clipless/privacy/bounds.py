@@ -19,8 +19,13 @@ add/remove sensitivity of that layer's summed gradient.
 
 from __future__ import annotations
 
+import builtins
+import functools
 import math
+import os
+import site
 import sys
+import sysconfig
 import types
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -108,6 +113,80 @@ _FUNCTION_NAMESPACES = ("builtins", "math", "torch", "torch.nn.functional", "tor
                         "clipless.privacy.modules")
 
 
+@functools.lru_cache(maxsize=None)
+def _trusted_roots() -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]:
+    """Directories whose code may define the watched functions: torch's and clipless' own, the standard library's
+    (less the installed packages, which the standard library's directory holds)."""
+    paths = sysconfig.get_paths()
+    installed = {paths["purelib"], paths["platlib"], *getattr(site, "getsitepackages", lambda: [])(),
+                 site.getusersitepackages()}
+
+    def norm(dirs: Any) -> Tuple[str, ...]:
+        return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
+
+    own = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return norm(own), norm((paths["stdlib"], paths["platstdlib"])), norm(installed)
+
+
+# Python's own builtins, as this module was imported: C functions and types (a shell's additions are Python objects)
+_PYTHON_BUILTINS = frozenset(k for k, v in vars(builtins).items() if isinstance(v, (types.BuiltinFunctionType, type)))
+
+# Third-party modules whose objects torch's namespace holds (torch._TypeIs, a typing_extensions special form;
+# torch._check_is_size, wrapped by typing_extensions.deprecated)
+_TRUSTED_MODULES = frozenset({"typing_extensions"})
+
+
+@functools.lru_cache(maxsize=None)
+def _trusted_file(path: str) -> bool:
+    own, stdlib, installed = _trusted_roots()
+    real = os.path.realpath(path)
+    trusted_modules = {os.path.realpath(str(getattr(sys.modules.get(m), "__file__", ""))) for m in _TRUSTED_MODULES}
+    return (real.startswith(own) or real in trusted_modules
+            or (real.startswith(stdlib) and not real.startswith(installed)))
+
+
+def _foreign_definition(value: Any) -> Optional[str]:
+    """Where ``value`` was defined, if outside torch, clipless and the standard library; else ``None``."""
+    while True:  # what a wrapper object calls
+        if isinstance(value, (classmethod, staticmethod, types.MethodType)):
+            value = value.__func__
+        elif isinstance(value, functools.partial):
+            value = value.func
+        else:
+            break
+    if isinstance(value, types.FunctionType):
+        path = value.__code__.co_filename
+        return None if _trusted_file(path) else f"defined in {path}"
+    if isinstance(value, types.ModuleType):
+        name = getattr(value, "__name__", None)
+        return None if sys.modules.get(name) is value else f"a module not imported as {name!r}"
+    cls = value if isinstance(value, type) else type(value)
+    if cls.__module__ in _TRUSTED_MODULES:
+        return None
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return None if path is None or _trusted_file(path) else f"{cls.__qualname__}, defined in {path}"
+
+
+def foreign_layer_method(model: nn.Module) -> Optional[str]:
+    """The first method or property of a torch or clipless layer class of ``model`` (or of their torch and clipless
+    bases) defined outside torch, clipless and the standard library (``"LipschitzLinear.forward (defined in
+    train.py)"``), or ``None``: a method assigned on the class before ``make_private``, which every instance
+    computes with.  A layer class of your own, defined elsewhere, declares its own bounds and is not placed."""
+    for cls in {type(m) for m in model.modules()}:
+        for klass in cls.__mro__:
+            if not klass.__module__.split(".")[0] in ("torch", "clipless"):
+                continue
+            for key, value in vars(klass).items():
+                parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+                for part in parts:
+                    if part is None or not (callable(part) or isinstance(part, (classmethod, staticmethod))):
+                        continue
+                    where = _foreign_definition(part)
+                    if where is not None:
+                        return f"{klass.__qualname__}.{key} ({where})"
+    return None
+
+
 class FunctionNamespaces:
     """The callables of torch's, Python's, clipless' layers' and certificates' namespaces (and ``torch.Tensor``'s
     methods) as they were when the bounds were set up.
@@ -148,6 +227,21 @@ class FunctionNamespaces:
                 if callable(space[key]) and (name == "torch.Tensor" or key in self._builtins):
                     return f"{name}.{key}"
             self._seen[i] = dict(space)  # only lazy attributes or plain values changed: compare with them from now
+        return None
+
+    def foreign(self) -> Optional[str]:
+        """The first callable of the namespaces defined outside torch, clipless and Python's standard library
+        (``"torch.nn.functional.linear (defined in train.py)"``), or ``None``: a function replaced before the
+        snapshot, which :meth:`change` compares with, not with torch's own.  A Python function is placed by its
+        code's file (``functools.wraps`` does not move it), a callable object or class by its class's module, a
+        module must be the one imported under its name; functions of C extensions have no file to place."""
+        for (name, _), callables in zip(self._spaces, self._callables):
+            for key, value in callables.items():
+                if name == "builtins" and key not in _PYTHON_BUILTINS:
+                    continue  # names a shell adds (IPython's display, get_ipython, exit), which no layer reads
+                where = _foreign_definition(value)
+                if where is not None:
+                    return f"{name}.{key} ({where})"
         return None
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "FunctionNamespaces":
@@ -272,6 +366,12 @@ class BoundEngine(DeclaredConstants):
             check(self.output_shape)
         self._declared = self._declared_constants()
         self._functions = FunctionNamespaces([type(m).__module__ for m in model.modules()])
+        foreign = self._functions.foreign() or foreign_layer_method(model)
+        if foreign is not None:
+            raise BoundError(f"{foreign} is not torch's, clipless' or Python's own: a function replaced in the "
+                             "namespaces the layers and the weights' certificates read, or on a layer's class, "
+                             "changes every layer or certificate at once, past their bounds; remove the "
+                             "replacement before make_private")
 
     @property
     def leaves(self) -> Tuple[nn.Module, ...]:
