@@ -213,10 +213,16 @@ def test_a_secure_private_step_draws_four_times_and_stays_a_declared_constant(mo
 
 
 def test_secure_noise_reaches_the_adaptive_clips_count_and_refuses_a_mechanism_without_the_flag(monkeypatch):
-    from clipless.nn import clipping
-
     seen = []
-    monkeypatch.setattr(clipping, "noisy_count", lambda count, *a, secure=False, **k: seen.append(secure) or count)
+    plain = noise.gaussian
+
+    def recorded(shape, generator, device="cpu", dtype=torch.float32, secure=False):
+        if shape == ():  # the count's one draw (the weights' noise has their shapes)
+            seen.append(secure)
+        return plain(shape, generator, device, dtype, secure)
+
+    # noisy_count's sampler (replacing noisy_count itself in the namespace the clip reads is refused by make_private)
+    monkeypatch.setattr(noise, "gaussian", recorded)
     clip = cl.AdaptiveLossGradientClip(1e6, count_noise_multiplier=1.0)
     model, opt, loader = _private(True, nn.Sequential(cl.InputNormClip(1.0), cl.LipschitzLinear(5, 3), clip))
     x, y = next(iter(loader))

@@ -735,18 +735,20 @@ def test_functions_replaced_globally_after_make_private_refused(monkeypatch, whe
 
 
 def _wrapped(fn, factor=1.5):
-    """``fn`` times ``factor`` under ``fn``'s own name and module (``functools.wraps``), and one through a partial."""
+    """``fn`` times ``factor`` under ``fn``'s own name and module (``functools.wraps``), through a partial, and
+    through ``functools.lru_cache`` (a wrapper object of C)."""
     import functools
 
     def scaled(*args, factor=factor, **kwargs):
         return factor * fn(*args, **kwargs)
 
-    return functools.wraps(fn)(scaled), functools.partial(scaled, factor=factor)
+    return functools.wraps(fn)(scaled), functools.partial(scaled, factor=factor), functools.lru_cache(scaled)
 
 
 @pytest.mark.parametrize("where, name, value", _REPLACEMENTS + [
     ("torch.nn.functional", "linear", lambda: _wrapped(torch.nn.functional.linear)[0]),
     ("torch.nn.functional", "linear", lambda: _wrapped(torch.nn.functional.linear)[1]),
+    ("torch.nn.functional", "linear", lambda: _wrapped(torch.nn.functional.linear)[2]),
 ])
 def test_functions_replaced_before_make_private_refused(monkeypatch, where, name, value):
     """Replaced before make_private, a function was the snapshot the later checks compare with, so every step was

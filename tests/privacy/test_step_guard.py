@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import pickle
 import warnings
 
@@ -619,7 +620,7 @@ def test_reduced_precision_forwards_refused(how):
 
 @pytest.mark.parametrize("setting", ["matmul_precision_high", "mkldnn_matmul_bf16", "backends_tf32",
                                      "mkldnn_conv_bf16"])
-def test_reduced_precision_products_refused(setting, monkeypatch):
+def test_reduced_precision_products_refused(setting, monkeypatch, request):
     """TF32 or bfloat16 internals of float32 products round like bfloat16 autocast (8x finer for TF32), which went
     past the certified bound; cuDNN runs float32 convolutions in TF32 by default (benchmarks/precision.py --device
     cuda).  Each setting that lowers the products the model runs is refused before anything is released; a
@@ -627,8 +628,10 @@ def test_reduced_precision_products_refused(setting, monkeypatch):
     from clipless.privacy import certified
 
     mkldnn = torch.backends.mkldnn
-    if setting == "matmul_precision_high":
-        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    if setting == "matmul_precision_high":  # the setting itself (a replaced getter is refused by make_private)
+        previous = torch.get_float32_matmul_precision()
+        request.addfinalizer(functools.partial(torch.set_float32_matmul_precision, previous))
+        torch.set_float32_matmul_precision("high")
     elif setting == "mkldnn_matmul_bf16":
         monkeypatch.setattr(mkldnn, "matmul", type("M", (), {"fp32_precision": "bf16"})())
     elif setting == "backends_tf32":  # the global setting reaches matmuls whose own levels say "none"

@@ -122,7 +122,7 @@ def _trusted_roots() -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]
                  site.getusersitepackages()}
 
     def norm(dirs: Any) -> Tuple[str, ...]:
-        return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
+        return tuple(os.path.normcase(os.path.realpath(d)) + os.sep for d in dirs if d)
 
     own = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return norm(own), norm((paths["stdlib"], paths["platstdlib"])), norm(installed)
@@ -139,8 +139,9 @@ _TRUSTED_MODULES = frozenset({"typing_extensions"})
 @functools.lru_cache(maxsize=None)
 def _trusted_file(path: str) -> bool:
     own, stdlib, installed = _trusted_roots()
-    real = os.path.realpath(path)
-    trusted_modules = {os.path.realpath(str(getattr(sys.modules.get(m), "__file__", ""))) for m in _TRUSTED_MODULES}
+    real = os.path.normcase(os.path.realpath(path))
+    trusted_modules = {os.path.normcase(os.path.realpath(str(getattr(sys.modules.get(m), "__file__", ""))))
+                       for m in _TRUSTED_MODULES}
     return (real.startswith(own) or real in trusted_modules
             or (real.startswith(stdlib) and not real.startswith(installed)))
 
@@ -152,6 +153,8 @@ def _foreign_definition(value: Any) -> Optional[str]:
             value = value.__func__
         elif isinstance(value, functools.partial):
             value = value.func
+        elif not isinstance(value, types.FunctionType) and "__wrapped__" in (getattr(value, "__dict__", None) or {}):
+            value = value.__wrapped__  # a wrapper object of C (functools.lru_cache): what it calls
         else:
             break
     if isinstance(value, types.FunctionType):
