@@ -177,7 +177,7 @@ def foreign_layer_method(model: nn.Module) -> Optional[str]:
     computes with.  A layer class of your own, defined elsewhere, declares its own bounds and is not placed."""
     for cls in {type(m) for m in model.modules()}:
         for klass in cls.__mro__:
-            if not klass.__module__.split(".")[0] in ("torch", "clipless"):
+            if klass.__module__.split(".")[0] not in ("torch", "clipless"):
                 continue
             for key, value in vars(klass).items():
                 parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
