@@ -278,6 +278,31 @@ def test_trainer_releases_nothing_unnoised(capsys):
     assert opted != _strip_times(release(_other_dataset(data), log_train_stats=True)[0])  # (why it is opt-in)
 
 
+def test_the_step_bar_prints_the_same_whatever_the_steps_take(monkeypatch, capsys):
+    """The bar without timings still redrew only when 0.1 s had passed since its last print, so the states a job
+    log kept told how long the steps took, which grows with the secret Poisson batch sizes: two neighbouring runs
+    printed different bars (``test_trainer_releases_nothing_unnoised`` failed now and then). It now redraws at
+    every step; the same steps at no time and at a second each print the same bar."""
+    import tqdm.std
+
+    from clipless.privacy.sampling import step_progress
+
+    printed = []
+    for seconds in (0.0, 1.0):
+        clock = [0.0]
+
+        def tick(clock=clock, seconds=seconds):
+            clock[0] += seconds
+            return clock[0]
+
+        monkeypatch.setattr(tqdm.std, "time", tick)
+        capsys.readouterr()
+        for _ in step_progress(range(5), total=5, desc="epoch 1"):
+            pass
+        printed.append(capsys.readouterr().err)
+    assert printed[0] == printed[1] and "3/5" in printed[0]
+
+
 def test_pretrainer_releases_nothing_unnoised(capsys):
     images = torch.rand(64, 1, 6, 6, generator=torch.Generator().manual_seed(0))
     other = torch.rand(64, 1, 6, 6, generator=torch.Generator().manual_seed(5))  # every pair changed
@@ -621,6 +646,29 @@ def _scaled_forward(cls, factor=1.5):
     return lambda self, *args: forward(self, *args) * factor
 
 
+def _one_step_released():
+    """make_private goes through and a step on 8 records is released."""
+    engine, model, opt, _ = _engine_setup()
+    loss = cl.TauCrossEntropy(4.0)
+    loss.per_example(model(_data().features[:8]), _data().labels[:8]).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
+def _refused_at_make_private_then_put_back(monkeypatch, owner, name, value, match):
+    """``owner.name = value()`` before make_private (a model built before it): refused with ``match``; put back,
+    make_private goes through and a step is released."""
+    original, model = vars(owner).get(name), _model()
+    monkeypatch.setattr(owner, name, value(), raising=False)
+    with pytest.raises(BoundError, match=match):
+        _engine_setup(module=model)
+    if original is None:
+        monkeypatch.delattr(owner, name)
+    else:
+        monkeypatch.setattr(owner, name, original)
+    _one_step_released()
+
+
 _CLASS_REPLACEMENTS = [
     (cl.LipschitzLinear, "forward", lambda: _scaled_forward(cl.LipschitzLinear)),
     (cl.MaxMin, "forward", lambda: _scaled_forward(cl.MaxMin)),
@@ -652,19 +700,8 @@ def test_methods_replaced_on_a_layer_class_before_make_private_refused(monkeypat
     instance computed with it at every released step. make_private now places the methods and properties of the
     model's torch and clipless layer classes (and of their torch and clipless bases) by their code's file; put back,
     make_private goes through."""
-    original, model = vars(cls).get(name), _model()
-    monkeypatch.setattr(cls, name, value(), raising=False)
-    with pytest.raises(BoundError, match=f"{cls.__qualname__}.{name} \\(defined in .*\\) is not torch's"):
-        _engine_setup(module=model)
-    if original is None:
-        monkeypatch.delattr(cls, name)
-    else:
-        monkeypatch.setattr(cls, name, original)
-    engine, model, opt, _ = _engine_setup()
-    loss = cl.TauCrossEntropy(4.0)
-    loss.per_example(model(_data().features[:8]), _data().labels[:8]).sum().backward()
-    opt.step()
-    assert engine.accountant.steps == 1
+    _refused_at_make_private_then_put_back(monkeypatch, cls, name, value,
+                                           f"{cls.__qualname__}.{name} \\(defined in .*\\) is not torch's")
 
 
 def _scaled(fn, factor=1.5):
@@ -763,19 +800,8 @@ def test_functions_replaced_before_make_private_refused(monkeypatch, where, name
     import torch._dynamo  # noqa: F401  (its wrappers are torch's own)
 
     space = torch.Tensor if where == "torch.Tensor" else importlib.import_module(where)
-    original = vars(space).get(name)
-    monkeypatch.setattr(space, name, value(), raising=False)
-    with pytest.raises(BoundError, match=f"{where}.{name} \\(.*\\) is not torch's, clipless' or Python's own"):
-        _engine_setup()
-    if original is None:
-        monkeypatch.delattr(space, name)
-    else:
-        monkeypatch.setattr(space, name, original)
-    engine, model, opt, _ = _engine_setup()
-    loss = cl.TauCrossEntropy(4.0)
-    loss.per_example(model(_data().features[:8]), _data().labels[:8]).sum().backward()
-    opt.step()
-    assert engine.accountant.steps == 1
+    _refused_at_make_private_then_put_back(monkeypatch, space, name, value,
+                                           f"{where}.{name} \\(.*\\) is not torch's, clipless' or Python's own")
 
 
 def test_a_shells_additions_to_builtins_are_not_refused(monkeypatch):
@@ -791,11 +817,7 @@ def test_a_shells_additions_to_builtins_are_not_refused(monkeypatch):
     monkeypatch.setattr(builtins, "display", lambda *objs: None, raising=False)
     monkeypatch.setattr(builtins, "get_ipython", ExitAutocall().__call__, raising=False)
     monkeypatch.setattr(builtins, "exit", ExitAutocall())
-    engine, model, opt, _ = _engine_setup()
-    loss = cl.TauCrossEntropy(4.0)
-    loss.per_example(model(_data().features[:8]), _data().labels[:8]).sum().backward()
-    opt.step()
-    assert engine.accountant.steps == 1
+    _one_step_released()
 
 
 def test_a_function_replaced_for_the_forward_only_is_refused(monkeypatch):

@@ -103,12 +103,14 @@ _NO_TIMING_BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt}"
 
 def step_progress(iterable: Any = None, total: Optional[int] = None, desc: str = "", timing: bool = False,
                   disable: bool = False) -> Any:
-    """A ``tqdm`` bar over private steps (or epochs): counts only, unless ``timing`` (then tqdm's rate and times
-    too)."""
+    """A ``tqdm`` bar over private steps (or epochs): counts only, redrawn at every step, unless ``timing`` (then
+    tqdm's rate and times too, and its redraws every 0.1 s: which states a log holds then tells how long steps took)."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable,
-                bar_format=None if timing else _NO_TIMING_BAR)
+    if timing:
+        return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable)
+    return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable, bar_format=_NO_TIMING_BAR,
+                mininterval=0, miniters=1)
 
 
 def expected_batch_size(batch_size: Any, records: int) -> float:
