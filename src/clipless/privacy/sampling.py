@@ -107,10 +107,8 @@ def step_progress(iterable: Any = None, total: Optional[int] = None, desc: str =
     tqdm's rate and times too, and its redraws every 0.1 s: which states a log holds then tells how long steps took)."""
     from tqdm.auto import tqdm
 
-    if timing:
-        return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable)
-    return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable, bar_format=_NO_TIMING_BAR,
-                mininterval=0, miniters=1)
+    counts_only = {} if timing else {"bar_format": _NO_TIMING_BAR, "mininterval": 0, "miniters": 1}
+    return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable, **counts_only)
 
 
 def expected_batch_size(batch_size: Any, records: int) -> float:
