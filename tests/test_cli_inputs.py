@@ -51,6 +51,7 @@ def _train(out, *extra):
     (["--delta", "1"], "--delta: must be < 1"),
     (["--adaptive-clip-quantile", "1.5"], "--adaptive-clip-quantile: must be < 1"),
     (["--augmult", "0"], "--augmult: must be >= 1"),
+    (["--max-physical-batch-size", "0"], "--max-physical-batch-size: must be >= 1"),
     (["--noise-seed", "-1"], "--noise-seed: must be >= 0"),
     (["--augmult", "2", "--augment-shift", "-1"], "--augment-shift: must be >= 0"),
     (["--augmult", "2", "--method", "dpsgd"], "--augmult is an option of clipless training"),

@@ -67,6 +67,7 @@ from .privacy import (
     calibrate_steps,
     compute_epsilon,
     effective_noise_multiplier,
+    physical_batches,
     poisson_data_loader,
 )
 from .train import PrivateTrainer, TrainResult, evaluate
@@ -132,6 +133,7 @@ __all__ = [
     "load_mnist",
     "load_tabular",
     "nn",
+    "physical_batches",
     "poisson_data_loader",
     "privacy",
     "train",

@@ -42,6 +42,7 @@ DEFAULTS: Dict[str, Any] = {
     "delta": 1e-5,
     "noise_multiplier": None,
     "batch_size": 1024,
+    "max_physical_batch_size": None,
     "epochs": 80,
     "strategy": "global",
     "layer_noise": "equal",
@@ -151,6 +152,7 @@ SCHEMA: Dict[str, Any] = {
     "delta": _number(float, 0, 1),
     "noise_multiplier": _number(float, 0, optional=True),
     "batch_size": _number(float, 0),
+    "max_physical_batch_size": _number(int, 1, low_open=False, optional=True),
     "epochs": _number(int, 1, low_open=False),
     "strategy": _choice("global", "per_layer"),
     "layer_noise": _choice("equal", "energy"),
@@ -249,6 +251,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise-multiplier", type=float,
                    help="fix sigma instead of calibrating it (the steps stop at --epsilon, default 3)")
     p.add_argument("--batch-size", type=float, help="expected Poisson batch size")
+    p.add_argument("--max-physical-batch-size", type=int, metavar="N",
+                   help="forward and backward each Poisson batch in parts of at most N examples, then step once: "
+                   "the same steps in the memory of a part (as Opacus' BatchMemoryManager); default: whole batches")
     p.add_argument("--epochs", type=int)
     p.add_argument("--strategy", choices=["global", "per_layer"])
     p.add_argument("--layer-noise", choices=["equal", "energy"],
@@ -389,7 +394,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # What a resumed run may change: nothing here touches the privacy analysis, the model or the data.
-RESUME_APPLICABLE = ("lr", "progress", "log_train_stats", "secure_noise", "data_dir", "output_dir", "resume")
+RESUME_APPLICABLE = ("lr", "progress", "log_train_stats", "secure_noise", "data_dir", "output_dir", "resume",
+                     "max_physical_batch_size")
 
 
 def _on_a_terminal() -> bool:
@@ -606,6 +612,7 @@ def _trainer(config: Dict[str, Any], model: Any, loss: Any, optimizer: Any, trai
         augmentation_multiplicity=config["augmult"],
         augment=_augmentation(config, shape),
         average_decay=config["average_decay"],
+        max_physical_batch_size=config["max_physical_batch_size"],
     )
 
 
@@ -817,7 +824,7 @@ def run_baseline(config: Dict[str, Any], data: Any, seed: Optional[int]) -> Dict
         model = standard_mlp(shape, classes, hidden=config["hidden"])
     common = dict(batch_size=int(config["batch_size"]), epochs=int(config["epochs"]), lr=config["lr"],
                   optimizer=config["optimizer"], seed=seed, test_data=data.test, progress=bool(config["progress"]),
-                  lr_schedule=config["lr_schedule"])
+                  lr_schedule=config["lr_schedule"], max_physical_batch_size=config["max_physical_batch_size"])
     if config["method"] == "dpsgd":
         outcome = train_dpsgd(model, data.train, delta=config["delta"], max_grad_norm=config["max_grad_norm"],
                               target_epsilon=config["epsilon"],  # with a fixed sigma: where the steps stop

@@ -60,7 +60,7 @@ def _refused(opt, engine, match, released=None):
     return str(info.value)
 
 
-@pytest.mark.parametrize("how", ["microbatches", "two_forwards_one_backward", "save_on_cpu"])
+@pytest.mark.parametrize("how", ["microbatches", "physical_batches", "two_forwards_one_backward", "save_on_cpu"])
 def test_readme_loop_and_microbatches_are_accepted(how):
     """One Poisson batch backpropagated in pieces gives the same sum: in two backwards, or as two forwards in one
     backward (a weight's gradient then arrives in parts, which the weight's check sums as autograd does); torch's
@@ -71,6 +71,9 @@ def test_readme_loop_and_microbatches_are_accepted(how):
     if how == "microbatches":
         loss.per_example(model(x[:7]), y[:7]).sum().backward()
         loss.per_example(model(x[7:]), y[7:]).sum().backward()
+    elif how == "physical_batches":
+        for xs, ys in cl.physical_batches(x, y, 5):
+            loss.per_example(model(xs), ys).sum().backward()
     elif how == "two_forwards_one_backward":
         (loss.per_example(model(x[:5]), y[:5]).sum() + loss.per_example(model(x[5:]), y[5:]).sum()).backward()
     else:
@@ -81,6 +84,22 @@ def test_readme_loop_and_microbatches_are_accepted(how):
     got = [released[0][id(p)] for p in model.parameters()]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
     assert engine.accountant.steps == 1
+
+
+def test_physical_batches_are_views_of_parts_of_at_most_the_size():
+    x, y = torch.arange(22.0).view(11, 2), torch.arange(11)
+    parts = cl.physical_batches(x, y, 4)
+    assert [len(ys) for _, ys in parts] == [4, 4, 3]
+    assert torch.equal(torch.cat([xs for xs, _ in parts]), x) and torch.equal(torch.cat([ys for _, ys in parts]), y)
+    assert all(xs.data_ptr() == x[4 * i].data_ptr() for i, (xs, _) in enumerate(parts))  # no copies
+    for size in (None, 11, 50):
+        (whole,) = cl.physical_batches(x, y, size)
+        assert whole[0] is x and whole[1] is y
+    empty = cl.physical_batches(x[:0], y[:0], 4)  # an empty Poisson batch is one (empty) step
+    assert len(empty) == 1 and empty[0][0].shape == (0, 2)
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="max_physical_batch_size must be an integer >= 1"):
+            cl.physical_batches(x, y, bad)
 
 
 # Finding 1: a step needs a fresh forward/backward

@@ -145,6 +145,30 @@ def test_the_baselines_take_the_same_learning_rate_schedules(digits, monkeypatch
                   **({"delta": 1e-5, "max_grad_norm": 1.0, "noise_multiplier": 1.0} if train is train_dpsgd else {}))
 
 
+def test_the_baselines_step_the_same_in_physical_parts(digits):
+    """``max_physical_batch_size`` runs each batch in parts and steps once: with the same seeds the weights equal
+    those of whole batches (Opacus sums the parts' clipped per-example gradients before its one noisy step; the
+    non-private parts weigh their mean by their share), and the accountant composes one step per batch."""
+    def weights(train, size, **kw):
+        torch.manual_seed(0)
+        model = standard_mlp(digits.input_shape, 10, hidden=(16,))
+        result = train(model, digits.train, batch_size=256, epochs=2, seed=0, progress=False,
+                       max_physical_batch_size=size, **kw)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), result
+
+    private = {"delta": 1e-5, "max_grad_norm": 1.0, "noise_multiplier": 1.0, "noise_seed": 3}
+    whole, reference = weights(train_dpsgd, None, **private)
+    for size in (1, 37, 4096):
+        parts, result = weights(train_dpsgd, size, **private)
+        torch.testing.assert_close(parts, whole, rtol=0, atol=1e-6)
+        assert (result.steps, result.epsilon) == (reference.steps, reference.epsilon)
+    whole = weights(train_nonprivate, None)[0]
+    torch.testing.assert_close(weights(train_nonprivate, 50)[0], whole, rtol=0, atol=1e-6)
+    for train, kw in ((train_dpsgd, private), (train_nonprivate, {})):
+        with pytest.raises(ValueError, match="max_physical_batch_size must be an integer >= 1"):
+            weights(train, 0, **kw)
+
+
 def test_standard_cnn_matches_lipschitz_cnn_shapes():
     shape = (1, 28, 28)
     plain, lipschitz = standard_cnn(shape, 10, channels=(16, 32)), cl.lipschitz_cnn(shape, 10, channels=(16, 32))

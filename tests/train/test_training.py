@@ -354,6 +354,25 @@ def test_the_training_data_swapped_in_as_test_data_is_refused():
     assert trainer.steps == 0 and trainer.history == []
 
 
+@pytest.mark.parametrize("size", [1, 50, 10_000])
+def test_a_batch_in_physical_parts_releases_the_same_steps(size):
+    """``max_physical_batch_size``: each Poisson batch goes forward and backward in parts (the step guard takes
+    them as micro-batches of one batch) and is stepped once; with the same seeds the released weights, epsilon and
+    steps are those of whole batches, and a tightness monitor still checks every due step."""
+    whole = digits_trainer(epochs=2)
+    whole.fit()
+    monitor = cl.diagnostics.TightnessMonitor(every=3, sample=4)
+    parts = digits_trainer(epochs=2, max_physical_batch_size=size, tightness_monitor=monitor)
+    result = parts.fit()
+    assert result.steps == whole.steps and result.epsilon == whole.epsilon()
+    for a, b in zip(whole.model.parameters(), parts.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert monitor.worst and max(monitor.worst.values()) <= 1 + monitor.tol
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_physical_batch_size must be an integer >= 1"):
+            digits_trainer(epochs=1, max_physical_batch_size=bad)
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     straight = digits_trainer(epochs=4)
     straight.fit()

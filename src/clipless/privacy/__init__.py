@@ -27,6 +27,35 @@ from .modules import (
 from .optimizer import DPOptimizer
 from .privacy_engine import PrivacyEngine
 from .randomness import make_generator, secret_generator
-from .sampling import PoissonBatchSampler, PoissonDataLoader, poisson_data_loader
+from .sampling import PoissonBatchSampler, PoissonDataLoader, physical_batches, poisson_data_loader
 
-__all__ = ["BoundEngine", "BoundError", "BoundReport", "BoundedModule", "BudgetExhaustedError", "DPOptimizer", "DeclaredConstants", "InputClip", "InputGuard", "LayerBound", "LipschitzLoss", "NoisePlan", "PerStepMechanism", "PoissonBatchSampler", "PoissonDataLoader", "PrivacyAccountant", "PrivacyEngine", "Residual", "StepGuard", "calibrate_noise_multiplier", "calibrate_steps", "compute_epsilon", "effective_noise_multiplier", "make_generator", "plan_noise", "poisson_data_loader", "secret_generator"]
+__all__ = [
+    "BoundEngine",
+    "BoundError",
+    "BoundReport",
+    "BoundedModule",
+    "BudgetExhaustedError",
+    "DPOptimizer",
+    "DeclaredConstants",
+    "InputClip",
+    "InputGuard",
+    "LayerBound",
+    "LipschitzLoss",
+    "NoisePlan",
+    "PerStepMechanism",
+    "PoissonBatchSampler",
+    "PoissonDataLoader",
+    "PrivacyAccountant",
+    "PrivacyEngine",
+    "Residual",
+    "StepGuard",
+    "calibrate_noise_multiplier",
+    "calibrate_steps",
+    "compute_epsilon",
+    "effective_noise_multiplier",
+    "make_generator",
+    "physical_batches",
+    "plan_noise",
+    "poisson_data_loader",
+    "secret_generator",
+]

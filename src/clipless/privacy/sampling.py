@@ -11,13 +11,13 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .input_guard import batch_row_digests
-from .certified import DeclaredConstants, is_real
+from .certified import DeclaredConstants, is_real, whole_number
 from .randomness import is_secret_generator, mechanism_words, secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
            "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS",
            "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS",
-           "loader_parts", "step_progress"]
+           "loader_parts", "step_progress", "physical_batches", "check_physical_batch_size"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
@@ -109,6 +109,24 @@ def step_progress(iterable: Any = None, total: Optional[int] = None, desc: str =
 
     counts_only = {} if timing else {"bar_format": _NO_TIMING_BAR, "mininterval": 0, "miniters": 1}
     return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable, **counts_only)
+
+
+def check_physical_batch_size(size: Any) -> Optional[int]:
+    """``max_physical_batch_size`` as given: ``None`` (whole batches) or an integer >= 1."""
+    return None if size is None else whole_number(size, "max_physical_batch_size")
+
+
+def physical_batches(x: torch.Tensor, y: torch.Tensor,
+                     max_size: Optional[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """One drawn batch as parts of at most ``max_size`` rows (the whole batch for ``None``), as Opacus'
+    ``BatchMemoryManager`` splits a Poisson batch: backpropagate each part's sum of per-example losses, then step
+    once.  The gradient summed over the parts is the batch's (per-example gradients are independent of the
+    batch), so the step is the same and only the activations of one part are held at a time.  The parts are views
+    of ``x`` and ``y``; an empty batch is one empty part (it is a step too)."""
+    max_size = check_physical_batch_size(max_size)
+    if max_size is None or x.shape[0] <= max_size:
+        return [(x, y)]
+    return list(zip(x.split(max_size), y.split(max_size)))
 
 
 def expected_batch_size(batch_size: Any, records: int) -> float:

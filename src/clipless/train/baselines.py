@@ -27,7 +27,8 @@ from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
 from ..privacy.noise import check_secure_flag, gaussian
 from ..privacy.randomness import make_generator, randomness_label
-from ..privacy.sampling import loader_parts, poisson_data_loader, step_progress
+from ..privacy.sampling import (check_physical_batch_size, loader_parts, physical_batches, poisson_data_loader,
+                                step_progress)
 from .evaluation import collect_outputs, predictions
 
 __all__ = ["BaselineResult", "standard_mlp", "standard_cnn", "draw_noise_unbounded", "train_dpsgd", "train_nonprivate",
@@ -156,6 +157,7 @@ def train_dpsgd(
     log_train_stats: bool = False,
     lr_schedule: str = "constant",
     secure_noise: bool = False,
+    max_physical_batch_size: Optional[int] = None,
 ) -> BaselineResult:
     """Clipped DP-SGD (Abadi et al.) through Opacus: per-example gradients clipped to ``max_grad_norm``,
     noise ``N(0, sigma^2 C^2)`` on the sum, division by the expected batch size, Poisson sampling.
@@ -168,9 +170,12 @@ def train_dpsgd(
     ``log_train_stats`` adds ``nonprivate_wall_time_s``: it grows with the realised (secret) batch sizes.
     ``lr_schedule``: ``constant`` or ``cosine`` over the epochs, stepped per epoch (``build_lr_schedule``).
     The noise is the library's (:func:`draw_noise_unbounded`); ``secure_noise``: each value a sum of 4 draws.
+    ``max_physical_batch_size``: each Poisson batch in parts of at most that many examples, whose clipped
+    per-example gradients Opacus sums before its one noisy step (as its ``BatchMemoryManager`` does).
     """
     schedule = build_lr_schedule(lr_schedule, epochs)  # checked before anything runs
     check_secure_flag(secure_noise)
+    max_physical_batch_size = check_physical_batch_size(max_physical_batch_size)
     train_data, loader_options = loader_parts(train_data)  # Poisson batches over a loader's dataset, its workers kept
     test_data, _ = loader_parts(test_data, training=False)
     check_held_out(train_data, test_data)
@@ -218,12 +223,17 @@ def train_dpsgd(
             if taken >= steps:  # a budget-capped plan (fixed sigma and a target) may stop mid-epoch
                 break
             taken += 1
-            opt.zero_grad()
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Full backward hook")
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-            opt.step()  # empty Poisson batches are steps too (Opacus still adds noise)
+            parts = physical_batches(x, y, max_physical_batch_size)
+            for i, (xs, ys) in enumerate(parts):
+                opt.zero_grad()  # after a skipped step Opacus keeps the clipped sum and clears only the part's
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="Full backward hook")
+                    # the mean over the part: Opacus' per-example gradients are those of the part's mean loss
+                    # times its size
+                    loss = F.cross_entropy(model(xs), ys)
+                    loss.backward()
+                opt.signal_skip_step(do_skip=i < len(parts) - 1)  # clip and sum the part; noise after the last
+                opt.step()  # empty Poisson batches are steps too (Opacus still adds noise)
             ours.step(noise_multiplier, sample_rate)
         if scheduler is not None:
             scheduler.step()
@@ -252,10 +262,12 @@ def train_nonprivate(
     test_data: Optional[Dataset] = None,
     progress: bool = True,
     lr_schedule: str = "constant",
+    max_physical_batch_size: Optional[int] = None,
 ) -> BaselineResult:
     """Ordinary training (shuffled mini-batches, mean cross-entropy): the utility ceiling, no privacy.
-    ``lr_schedule`` as for :func:`train_dpsgd`."""
+    ``lr_schedule`` and ``max_physical_batch_size`` as for :func:`train_dpsgd`."""
     schedule = build_lr_schedule(lr_schedule, epochs)
+    max_physical_batch_size = check_physical_batch_size(max_physical_batch_size)
     if seed is not None:
         torch.manual_seed(seed)
     loader = DataLoader(train_data, batch_size=batch_size, shuffle=True,
@@ -266,7 +278,8 @@ def train_nonprivate(
     for _ in tqdm(range(epochs), desc="non-private", disable=not progress):
         for x, y in loader:
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            for xs, ys in physical_batches(x, y, max_physical_batch_size):  # each part's share of the batch mean
+                (F.cross_entropy(model(xs), ys) * (ys.shape[0] / y.shape[0])).backward()
             opt.step()
         if scheduler is not None:
             scheduler.step()

@@ -27,7 +27,8 @@ from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
-from ..privacy.sampling import dataset_size, expected_batch_size, loader_parts, step_progress
+from ..privacy.sampling import (check_physical_batch_size, dataset_size, expected_batch_size, loader_parts,
+                                physical_batches, step_progress)
 from .checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                          fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                          save_checkpoint)
@@ -84,6 +85,9 @@ class PrivateTrainer(DeclaredConstants):
     history, labelled ``nonprivate_*``: they are computed without noise.
     ``tightness_monitor`` checks true per-example gradients against the bounds
     during training and stops with :class:`~clipless.BoundError` if one exceeds them.
+    ``max_physical_batch_size``: each Poisson batch goes forward and backward in parts of at most that many
+    examples (:func:`~clipless.privacy.sampling.physical_batches`; their gradients are summed, then one step): the
+    same steps, with the activation memory of a part.
     Every training and test record is checked before any step (``make_private``'s ``check_records``: ``False``
     skips the read of a dataset that is not in memory, whose bad records then stop the run where a batch or the
     first evaluation meets them).
@@ -127,9 +131,11 @@ class PrivateTrainer(DeclaredConstants):
         check_records: bool = True,
         secure_noise: bool = False,
         lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+        max_physical_batch_size: Optional[int] = None,
     ) -> None:
         if target_epsilon is None and noise_multiplier is None:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
+        self.max_physical_batch_size = check_physical_batch_size(max_physical_batch_size)
         if epochs is None and target_epsilon is None:
             raise ValueError("give epochs or target_epsilon: training would never stop")
         # a loader stands for its dataset (its records, not its batches, are counted and held out); make_private
@@ -264,27 +270,32 @@ class PrivateTrainer(DeclaredConstants):
             x, y = x.to(self.device), y.to(self.device)
             self.optimizer.zero_grad()
             k = self.augmentation_multiplicity
-            if self.augment is not None:  # K stacked augmented copies of the batch (k-major rows)
-                x = torch.cat([self.augment(x, self.augment_generator) for _ in range(k)])
-                self.optimizer.derived_rows_(x)  # shifted copies of the drawn records, whatever record they equal
-                y = y.repeat(k)
-            logits = self.model(x)
-            per_row = self.loss.per_example(logits, y)
-            per_example = per_row.view(k, -1).mean(0) if k > 1 else per_row
-            per_example.sum().backward()
+            first = None
+            # an example's K augmented rows stay in its part: the part's loss weighs each of them 1/K
+            for xs, ys in physical_batches(x, y, self.max_physical_batch_size):
+                if self.augment is not None:  # K stacked augmented copies of the part (k-major rows)
+                    xs = torch.cat([self.augment(xs, self.augment_generator) for _ in range(k)])
+                    self.optimizer.derived_rows_(xs)  # shifted copies of the drawn records, whatever they equal
+                    ys = ys.repeat(k)
+                logits = self.model(xs)
+                per_row = self.loss.per_example(logits, ys)
+                per_example = per_row.view(k, -1).mean(0) if k > 1 else per_row
+                per_example.sum().backward()
+                first = (xs, ys) if first is None else first
+                if self.log_train_stats:  # otherwise nothing of the batch is read back: no work, nothing to leak
+                    with torch.no_grad():
+                        loss_sum += float(per_row.sum())
+                        correct += int((predictions(logits) == ys).sum())
+                        seen += int(ys.shape[0])
             monitor = self.tightness_monitor
             if monitor is not None and monitor.due(self.steps):
-                # before the step: the noise of this step is calibrated to the report of these weights
-                monitor.check(self.module, self.loss, x, y, self.optimizer.bound_engine.compute(), self.steps)
+                # before the step: the noise of this step is calibrated to the report of these weights (the first
+                # rows of the batch, as without parts)
+                monitor.check(self.module, self.loss, *first, self.optimizer.bound_engine.compute(), self.steps)
             self.optimizer.step()
             if self.averaged_model is not None:
                 self._update_average()
             self.steps += 1
-            if self.log_train_stats:  # otherwise nothing of the batch is read back: no work, nothing to leak
-                with torch.no_grad():
-                    loss_sum += float(per_row.sum())
-                    correct += int((predictions(logits) == y).sum())
-                    seen += int(y.shape[0])
             if bar is not None:
                 bar.update(1)
             if self.steps >= self.max_steps:  # before the next draw: every batch drawn is released
