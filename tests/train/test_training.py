@@ -368,6 +368,10 @@ def test_a_batch_in_physical_parts_releases_the_same_steps(size):
     for a, b in zip(whole.model.parameters(), parts.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert monitor.worst and max(monitor.worst.values()) <= 1 + monitor.tol
+    # K augmented copies of each example, made part by part: the step guard takes each part's rows as derived
+    # from the drawn batch and each row's loss weight as 1/K
+    augmented = digits_trainer(epochs=1, max_physical_batch_size=size, augmentation_multiplicity=2).fit()
+    assert augmented.steps == digits_trainer(epochs=1).steps_per_epoch
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="max_physical_batch_size must be an integer >= 1"):
             digits_trainer(epochs=1, max_physical_batch_size=bad)
