@@ -4,7 +4,8 @@
 
 80/20 stratified split (seed 0); deltas as in ../shared/data/README.md. Features go through a fixed,
 data-independent map (no statistics of the data are used): sign(x) log(1 + |x|), or for the configurations
-that say ``"features": "sqrt"`` the Hellinger map sign(x) sqrt(|x|); clipless clips every input to a
+that say ``"features": "sqrt"`` the Hellinger map sign(x) sqrt(|x|) (``"rff"``: random Fourier features of the
+log1p map, 1024 of them, drawn from a public seed); clipless clips every input to a
 radius given in units of sqrt(d). Both methods train a 2-hidden-layer MLP of the same widths (clipless: orthogonal
 dense layers with bounded bias and MaxMin; Opacus: nn.Linear + ReLU), Poisson sampling, PLD accountant.
 
@@ -54,7 +55,21 @@ GRIDS = {
               {"max_grad_norm": 1.0, "lr": 3e-3, "epochs": 40}, {"max_grad_norm": 1.0, "lr": 1e-2, "epochs": 60}],
 }
 HIDDEN = (64, 64)
-FEATURE_MAPS = {"log1p": signed_log1p, "sqrt": signed_sqrt}
+
+
+def random_fourier(x: torch.Tensor, components: int = 1024, gamma: float = 1.0) -> torch.Tensor:
+    """sign(x) log(1 + |x|), then scikit-learn's random Fourier features of the RBF kernel ``exp(-gamma |x - y|^2)``
+    (norm at most sqrt 2): the weights are drawn from a public seed for the input width alone (fitted on zeros, so
+    no record is read)."""
+    import numpy as np
+    from sklearn.kernel_approximation import RBFSampler
+
+    z = signed_log1p(x).double().numpy()
+    sampler = RBFSampler(gamma=gamma, n_components=components, random_state=0).fit(np.zeros((1, z.shape[1])))
+    return torch.from_numpy(sampler.transform(z)).float()
+
+
+FEATURE_MAPS = {"log1p": signed_log1p, "sqrt": signed_sqrt, "rff": random_fourier}
 
 
 def mapped(data: ArrayDataset, cfg: dict) -> ArrayDataset:
