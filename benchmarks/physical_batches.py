@@ -6,8 +6,8 @@
 Each size runs ``clipless train --config configs/mnist_pixels.yaml --epochs 1 --max-physical-batch-size N`` (0: whole
 batches of the recipe's expected 16,384 examples) in a fresh process, with a fixed noise seed so that every size
 draws the same batches and noise (the released weights then agree to float rounding: the parts only change the
-order of the sums).  Peak memory is the process's peak resident set size, the data included; the time is the
-run's training wall time.
+order of the sums).  Peak memory is the process's peak resident set size, the data included; the time is the whole
+run's wall time (loading, the record check and the evaluation included).
 """
 
 from __future__ import annotations
