@@ -377,6 +377,26 @@ def test_a_batch_in_physical_parts_releases_the_same_steps(size):
             digits_trainer(epochs=1, max_physical_batch_size=bad)
 
 
+def test_an_adaptive_clip_counts_a_batch_in_parts_once():
+    """The adaptive clip's noisy count of a step sums its parts' backward passes: with the same seeds a run in parts
+    moves the clip norm and the weights as a run on whole batches does, at the same epsilon."""
+    def run(size):
+        torch.manual_seed(0)
+        data = cl.load_digits()
+        model = cl.lipschitz_mlp(data.input_shape, 10, hidden=(32,), input_clip=None)
+        model.append(cl.AdaptiveLossGradientClip(0.25, target_quantile=0.5, count_noise_multiplier=10.0))
+        trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), cl.TauCrossEntropy(8.0),
+                                    data.train, input_shape=data.input_shape, input_bound=8.0, batch_size=256,
+                                    epochs=2, target_epsilon=3.0, delta=1e-5, noise_seed=3, progress=False, log=None,
+                                    max_physical_batch_size=size)
+        result = trainer.fit()
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), result.epsilon, float(model[-1].clip_norm)
+
+    whole, parts = run(None), run(40)
+    torch.testing.assert_close(parts[0], whole[0], rtol=0, atol=1e-5)
+    assert parts[1:] == whole[1:] and whole[2] != 0.25  # the clip moved, and by the same counts
+
+
 def test_checkpoint_resume_continues_exactly(tmp_path):
     straight = digits_trainer(epochs=4)
     straight.fit()
