@@ -371,7 +371,7 @@ def test_a_batch_in_physical_parts_releases_the_same_steps(size):
     # K augmented copies of each example, made part by part: the step guard takes each part's rows as derived
     # from the drawn batch and each row's loss weight as 1/K
     augmented = digits_trainer(epochs=1, max_physical_batch_size=size, augmentation_multiplicity=2).fit()
-    assert augmented.steps == digits_trainer(epochs=1).steps_per_epoch
+    assert augmented.steps == parts.steps_per_epoch
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="max_physical_batch_size must be an integer >= 1"):
             digits_trainer(epochs=1, max_physical_batch_size=bad)
