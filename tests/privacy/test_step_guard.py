@@ -879,7 +879,8 @@ def test_weight_used_outside_the_model_in_another_backward_refused():
     _refused(opt, engine, r"a weight of the private model was used outside the model's forward \(linear\)")
 
 
-@pytest.mark.parametrize("use", ["linear", "product", "transpose_matmul", "view_penalty", "einsum", "functional_call"])
+@pytest.mark.parametrize("use", ["linear", "product", "transpose_matmul", "transpose_property", "matrix_transpose_property",
+                                 "view_penalty", "einsum", "functional_call"])
 def test_weight_used_outside_the_model_in_the_same_backward_refused(use):
     """A data-dependent use of a weight added to the private loss: the gradient is the loss's plus an
     unbounded term in the data; before the weights watched their operations this step was released."""
@@ -891,6 +892,10 @@ def test_weight_used_outside_the_model_in_the_same_backward_refused(use):
         extra = (w * x.sum()).sum()
     elif use == "transpose_matmul":
         extra = (x @ w.t()).sum()
+    elif use == "transpose_property":  # a property getter, not a function call: W.T
+        extra = (x @ w.T).sum()
+    elif use == "matrix_transpose_property":
+        extra = (x @ w.mT).sum()
     elif use == "view_penalty":
         extra = (w.view(-1)[: x.shape[1]] * x[0]).sum()
     elif use == "einsum":
@@ -899,6 +904,28 @@ def test_weight_used_outside_the_model_in_the_same_backward_refused(use):
         extra = torch.func.functional_call(model, dict(model.named_parameters()), (x,)).sum()
     (loss.per_example(model(x), y).sum() + extra).backward()
     _refused(opt, engine, "used outside the model's forward|did not come from a clipless loss")
+
+
+def test_a_forward_that_reads_a_weight_through_its_transpose_property_steps():
+    """``q.T @ q`` inside the forward (OrthogonalConv2d's projectors): the ``.T`` property is an operation on the
+    weight like ``q.t()`` and passes through its gate; read as a plain attribute, its gradient did not, and every
+    private step of a CNN with trained projectors (``conv="orthogonal"``) was refused."""
+    torch.manual_seed(0)
+    x = torch.rand(32, 1, 6, 6)
+    x = x / x.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+    model = nn.Sequential(cl.OrthogonalConv2d(1, 4), cl.MaxMin(), nn.Flatten(), cl.LipschitzLinear(144, 3))
+    loss = cl.TauCrossEntropy(2.0)
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, torch.arange(32) % 3),
+        loss=loss, noise_multiplier=1.0, input_shape=(1, 6, 6), batch_size=8.0, input_bound=1.0, external_batches=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        loss.per_example(model(x[:8]), torch.arange(8) % 3).sum().backward()
+        opt.step()
+    assert engine.accountant.steps == 2
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 class _OpaqueProduct(torch.autograd.Function):

@@ -488,6 +488,16 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
 
 _WATCH_ATTR = "_clipless_watch"
 _ACCESSORS = ("__get__", "__set__")  # attribute reads (shape, grad, ...): no operation on the values
+# ... except the properties that are differentiable views of the values: ``W.T`` is an operation on ``W`` as ``W.t()``
+_VIEW_PROPERTIES = frozenset(("T", "mT", "H", "mH", "real", "imag"))
+
+
+def _operates_on_values(func: Any) -> bool:
+    """Whether ``func`` (as ``__torch_function__`` receives it) computes from a tensor's values under autograd."""
+    name = getattr(func, "__name__", "")
+    if name not in _ACCESSORS:
+        return True
+    return name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_PROPERTIES
 
 
 _WEIGHT_USED = "a weight of the private model was used outside the model's forward"
@@ -505,7 +515,7 @@ class _WatchedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         outside: List[StepGuard] = []
-        if torch.is_grad_enabled() and getattr(func, "__name__", "") not in _ACCESSORS:
+        if torch.is_grad_enabled() and _operates_on_values(func):
             def route(arg: Any) -> Any:
                 ref = getattr(arg, _WATCH_ATTR, None) if isinstance(arg, _WatchedParameter) else None
                 guard = ref() if ref is not None else None
