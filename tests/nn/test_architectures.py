@@ -119,3 +119,22 @@ def test_cli_trains_each_architecture(tmp_path, model):
     result = json.loads((out / "result.json").read_text())
     assert result["config"]["model"] == model
     assert 0.0 <= result["test_accuracy"] <= 1.0 and result["epsilon"] <= 2.0 + 1e-9
+
+
+@pytest.mark.parametrize("conv", ["lipschitz", "orthogonal", "orthogonal_fixed"])
+@pytest.mark.parametrize("build", ["cnn", "vgg", "resnet"])
+def test_each_builder_and_convolution_takes_private_steps(build, conv):
+    """Every convolution of every convolutional builder through the private step guard (gates, sum checks):
+    ``conv="orthogonal"`` read its projectors through ``q.T`` and was refused at every step."""
+    torch.manual_seed(0)
+    x = torch.rand(64, *SHAPE)
+    model = getattr(cl, f"lipschitz_{build}")(SHAPE, CLASSES, channels=(4, 6), conv=conv, input_clip=None)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = cl.PrivateTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), cl.TauCrossEntropy(4.0),
+                                cl.ArrayDataset(x, torch.randint(0, CLASSES, (64,))), input_shape=SHAPE,
+                                input_bound=8.0, batch_size=16, epochs=1, noise_multiplier=1.0, delta=1e-5,
+                                progress=False)
+    trainer.log = None
+    result = trainer.fit()
+    assert result.steps == 4 and math.isfinite(result.epsilon)
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
