@@ -103,7 +103,8 @@ PIXELS2 = [
 ]
 # Raw pixels, third round (``--grid pixels3``), from CHOSEN_PIXELS2 in physical parts of 1024 (the same steps):
 # the loss-gradient clip (it bounds every layer's factor; examples whose logit gradient is below it keep their
-# whole gradient), its adaptive variant, the temperature with it, and a smaller input clip.
+# whole gradient), its adaptive variant, the temperature with it, a smaller input clip, and (run after the others)
+# the trained projectors with the chosen clip.
 _PARTS = {**CHOSEN_PIXELS2, "max_physical_batch_size": 1024}
 CHOSEN_PIXELS3 = {**_PARTS, "loss_grad_clip": 0.25}  # the best of --grid pixels3: configs/mnist_pixels.yaml
 PIXELS3 = [
@@ -113,6 +114,7 @@ PIXELS3 = [
     {**_PARTS, "adaptive_clip_quantile": 0.5},
     {**_PARTS, "loss_grad_clip": 0.25, "tau": 32.0},
     {**_PARTS, "input_clip": 3.0},
+    {**CHOSEN_PIXELS3, "conv": "orthogonal"},  # trained projectors: 98.2% without noise (--nonprivate-ceiling)
 ]
 ROUNDS = {"first": GRID, "second": [CHOSEN, *SECOND], "third": [CHOSEN, *THIRD], "pixels": PIXELS,
           "pixels2": [CHOSEN_PIXELS, *PIXELS2], "pixels3": PIXELS3}

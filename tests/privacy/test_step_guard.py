@@ -879,8 +879,8 @@ def test_weight_used_outside_the_model_in_another_backward_refused():
     _refused(opt, engine, r"a weight of the private model was used outside the model's forward \(linear\)")
 
 
-@pytest.mark.parametrize("use", ["linear", "product", "transpose_matmul", "transpose_property", "matrix_transpose_property",
-                                 "view_penalty", "einsum", "functional_call"])
+@pytest.mark.parametrize("use", ["linear", "product", "transpose_matmul", "transpose_property",
+                                 "matrix_transpose_property", "view_penalty", "einsum", "functional_call"])
 def test_weight_used_outside_the_model_in_the_same_backward_refused(use):
     """A data-dependent use of a weight added to the private loss: the gradient is the loss's plus an
     unbounded term in the data; before the weights watched their operations this step was released."""
@@ -917,8 +917,9 @@ def test_a_forward_that_reads_a_weight_through_its_transpose_property_steps():
     loss = cl.TauCrossEntropy(2.0)
     engine = cl.PrivacyEngine("rdp")
     model, opt, _ = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=cl.ArrayDataset(x, torch.arange(32) % 3),
-        loss=loss, noise_multiplier=1.0, input_shape=(1, 6, 6), batch_size=8.0, input_bound=1.0, external_batches=True)
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data=cl.ArrayDataset(x, torch.arange(32) % 3), loss=loss, noise_multiplier=1.0, input_shape=(1, 6, 6),
+        batch_size=8.0, input_bound=1.0, external_batches=True)
     before = [p.detach().clone() for p in model.parameters()]
     for _ in range(2):
         opt.zero_grad()
