@@ -880,7 +880,8 @@ def test_weight_used_outside_the_model_in_another_backward_refused():
 
 
 @pytest.mark.parametrize("use", ["linear", "product", "transpose_matmul", "transpose_property",
-                                 "matrix_transpose_property", "view_penalty", "einsum", "functional_call"])
+                                 "matrix_transpose_property", "adjoint_property", "matrix_adjoint_property",
+                                 "view_penalty", "einsum", "functional_call"])
 def test_weight_used_outside_the_model_in_the_same_backward_refused(use):
     """A data-dependent use of a weight added to the private loss: the gradient is the loss's plus an
     unbounded term in the data; before the weights watched their operations this step was released."""
@@ -896,6 +897,10 @@ def test_weight_used_outside_the_model_in_the_same_backward_refused(use):
         extra = (x @ w.T).sum()
     elif use == "matrix_transpose_property":
         extra = (x @ w.mT).sum()
+    elif use == "adjoint_property":
+        extra = (x @ w.H).sum()
+    elif use == "matrix_adjoint_property":
+        extra = (x @ w.mH).sum()
     elif use == "view_penalty":
         extra = (w.view(-1)[: x.shape[1]] * x[0]).sum()
     elif use == "einsum":
