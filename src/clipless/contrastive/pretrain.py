@@ -31,7 +31,8 @@ from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.input_guard import all_finite
 from ..privacy.privacy_engine import check_model_takes
-from ..privacy.sampling import expected_batch_size, loader_parts, poisson_data_loader, record_chunks, step_progress
+from ..privacy.sampling import (expected_batch_size, loader_parts, poisson_data_loader, poisson_steps_per_epoch,
+                                record_chunks, step_progress)
 from ..train.checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                                 fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                                 save_checkpoint)
@@ -273,7 +274,7 @@ class ContrastivePretrainer(DeclaredConstants):
         self.checkpoint_path = checkpoint_destination(checkpoint_path)
         self._continues: Optional[Path] = None  # the checkpoint file this run resumed from or wrote (resolved)
         self.sample_rate = self.batch_size / n
-        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        self.steps_per_epoch = poisson_steps_per_epoch(self.sample_rate)
         self.planned_steps = planned_steps(epochs, self.steps_per_epoch)
         self.epochs = self.planned_steps // self.steps_per_epoch
         logit_dp_sensitivity(1.0, self.tau, loss)  # validates (loss, tau) before any calibration

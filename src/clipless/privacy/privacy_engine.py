@@ -22,7 +22,7 @@ from .input_guard import (DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard,
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
 from .sampling import (dataset_size, expected_batch_size, in_memory_records, loader_parts, poisson_data_loader,
-                       poisson_threshold, record_chunks)
+                       poisson_steps_per_epoch, poisson_threshold, record_chunks)
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records", "check_model_takes"]
 
@@ -283,7 +283,7 @@ class PrivacyEngine(DeclaredConstants):
         else:
             check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape,
                                   data_bound, read=check_records, progress=progress, model=probe, digests=digests)
-        steps_per_epoch = max(1, round(1.0 / sample_rate))
+        steps_per_epoch = poisson_steps_per_epoch(sample_rate)
         plan = plan_noise(
             engine.compute(),
             sample_rate=sample_rate,

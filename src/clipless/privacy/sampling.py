@@ -15,7 +15,7 @@ from .certified import DeclaredConstants, is_real, whole_number
 from .randomness import is_secret_generator, mechanism_words, secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
-           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "dataset_size", "SAMPLING_BITS",
+           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "poisson_steps_per_epoch", "dataset_size", "SAMPLING_BITS",
            "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS",
            "loader_parts", "step_progress", "physical_batches", "check_physical_batch_size"]
 
@@ -140,6 +140,12 @@ def expected_batch_size(batch_size: Any, records: int) -> float:
     return float(batch_size)
 
 
+def poisson_steps_per_epoch(sample_rate: float) -> int:
+    """Steps of one epoch of Poisson batches at rate ``q``: ``round(1/q)``, at least 1 (an epoch draws ``N``
+    records in expectation); a run's step budget is its epochs times this."""
+    return max(1, round(1.0 / sample_rate))
+
+
 def poisson_threshold(sample_rate: float) -> int:
     """``floor(q 2^53)``, exactly (``q`` as the binary fraction it is); refuses a rate that cannot be realised."""
     if not (0 < sample_rate <= 1):
@@ -191,7 +197,7 @@ class PoissonBatchSampler(DeclaredConstants, Sampler[List[int]]):
         self.threshold = poisson_threshold(sample_rate)  # validates
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
-        self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else max(1, round(1.0 / sample_rate))
+        self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else poisson_steps_per_epoch(sample_rate)
         self.generator = generator if generator is not None else secret_generator()
         self.record_declared()
 

@@ -28,7 +28,7 @@ from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.sampling import (check_physical_batch_size, dataset_size, expected_batch_size, loader_parts,
-                                physical_batches, step_progress)
+                                physical_batches, poisson_steps_per_epoch, step_progress)
 from .checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                          fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                          save_checkpoint)
@@ -154,7 +154,7 @@ class PrivateTrainer(DeclaredConstants):
         self.checkpoint_path = checkpoint_destination(checkpoint_path)
         self._continues: Optional[Path] = None  # the checkpoint file this run resumed from or wrote (resolved)
         self.sample_rate = batch_size / n
-        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        self.steps_per_epoch = poisson_steps_per_epoch(self.sample_rate)
         self.privacy_engine = PrivacyEngine(accountant)
         # every rank samples its own shard: its own stream (rank 0's is the one-process stream)
         self.sampling_generator = make_generator(noise_seed, stream=1 + 1000 * world()[0])
