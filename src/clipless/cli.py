@@ -366,6 +366,18 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--resume", action="store_true", help="resume from output-dir/checkpoint.pt")
     pre.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 
+    eps = sub.add_parser("epsilon", help="the privacy of a planned run without training: epsilon at a noise "
+                         "multiplier, or the noise multiplier of a target epsilon, by the noise plan every run uses")
+    eps.add_argument("--records", type=int, required=True, help="training records N (Poisson sampling over them)")
+    eps.add_argument("--batch-size", type=float, required=True, help="expected batch size b (sample rate b / N)")
+    eps.add_argument("--epochs", type=int, required=True, help="epochs, of round(N / b) steps each")
+    eps.add_argument("--noise-multiplier", type=float, help="the step's noise multiplier sigma; with --epsilon, the "
+                     "steps stop where the budget does, as a training run's do")
+    eps.add_argument("--epsilon", type=float, help="target epsilon: the smallest sigma within it for these steps")
+    eps.add_argument("--delta", type=float, default=DEFAULTS["delta"])
+    eps.add_argument("--accountant", default=DEFAULTS["accountant"], help="pld or rdp (dp-accounting)")
+    eps.add_argument("--json", action="store_true", help="print the plan as JSON")
+
     kl = sub.add_parser("kl-study", help="KL privacy of noisy GD without clipping (two-class MNIST); JSON + PNG plots")
     kl.add_argument("--data-dir", required=True, help="directory with the MNIST IDX .gz files")
     kl.add_argument("--digits", type=int, nargs=2, default=[0, 1])
@@ -1058,6 +1070,41 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.distributed.destroy_process_group()
 
 
+def run_epsilon(args: argparse.Namespace) -> Dict[str, Any]:
+    """``clipless epsilon``: what a run of ``epochs`` Poisson-subsampled Gaussian steps over ``records`` records would
+    spend, planned by :func:`~clipless.privacy.calibration.plan_noise` as ``clipless train`` plans it (same sample
+    rate, steps and calibration; one mechanism per step, the composed ``sigma_step`` of a per-layer run)."""
+    from .privacy.accounting import check_delta, compute_epsilon
+    from .privacy.calibration import plan_noise, planned_steps
+    from .privacy.sampling import expected_batch_size, poisson_steps_per_epoch
+
+    given = {key: getattr(args, key) for key in ("epsilon", "delta", "noise_multiplier", "batch_size", "epochs",
+                                                 "accountant")}
+    settings = validate({key: value for key, value in given.items() if value is not None})
+    try:
+        records = _number(int, 1, low_open=False)(args.records)
+    except ValueError as err:
+        raise SystemExit(f"--records: {err}") from None
+    if settings.get("epsilon") is None and settings.get("noise_multiplier") is None:
+        raise SystemExit("clipless epsilon: give --noise-multiplier (its epsilon is computed) or --epsilon (the "
+                         "noise multiplier is calibrated), or both (the steps stop at the budget)")
+    batch_size = expected_batch_size(settings["batch_size"], records)
+    sample_rate = batch_size / records
+    steps = planned_steps(settings["epochs"], poisson_steps_per_epoch(sample_rate))
+    delta, accountant = settings["delta"], settings["accountant"]
+    check_delta(delta, records)
+    plan = plan_noise(None, sample_rate=sample_rate, accountant=accountant,
+                      noise_multiplier=settings.get("noise_multiplier"), target_epsilon=settings.get("epsilon"),
+                      delta=delta, steps=steps)
+    taken = min(steps, plan.max_steps) if plan.max_steps is not None else steps
+    return {"records": records, "expected_batch_size": batch_size, "sample_rate": sample_rate,
+            "planned_steps": steps, "steps": taken, "epochs": settings["epochs"],
+            "steps_per_epoch": poisson_steps_per_epoch(sample_rate), "noise_multiplier": plan.step_sigma,
+            "epsilon": compute_epsilon(plan.step_sigma, sample_rate, taken, delta, accountant) if taken else 0.0,
+            "target_epsilon": plan.target_epsilon, "delta": delta, "accountant": accountant,
+            "stopped_by_budget": plan.budget_limited}
+
+
 def _timing(result: Dict[str, Any]) -> str:
     """The run's wall-clock time where it is in the result (``--log-train-stats``, or a non-private run)."""
     wall = result.get("nonprivate_wall_time_s")
@@ -1107,6 +1154,17 @@ def _run(args: argparse.Namespace) -> int:
               f"{losses[0]:.4f} -> {losses[-1]:.4f}, {privacy}, {result['steps']} steps"
               f"{_timing(result)}; {_privacy_status(result)}; "
               f"result in {Path(args.output_dir) / 'result.json'}")
+    elif args.command == "epsilon":
+        plan = run_epsilon(args)
+        if args.json:
+            print(json.dumps(plan, indent=2))
+        else:
+            budget = (f"; the budget (epsilon {plan['target_epsilon']:g}) stops the run after {plan['steps']} of its "
+                      f"{plan['planned_steps']} steps" if plan["stopped_by_budget"] else "")
+            print(f"{plan['records']} records, expected batch {plan['expected_batch_size']:g} (sample rate "
+                  f"{plan['sample_rate']:.4g}), {plan['epochs']} epochs of {plan['steps_per_epoch']} steps: noise "
+                  f"multiplier {plan['noise_multiplier']:.4f}, epsilon {plan['epsilon']:.4f} (delta {plan['delta']:g}, "
+                  f"{plan['accountant']}) after {plan['steps']} steps{budget}")
     elif args.command == "kl-study":
         from .kl.study import KLStudyConfig, format_summary, main_kl_study
 
