@@ -58,6 +58,28 @@ def test_layer_without_declared_bounds_refused(bad, data):
         trainer_for(model, data)
 
 
+def test_every_layer_without_declared_bounds_is_named_at_once_with_its_replacement():
+    """A model of torch layers is refused in one error that names each layer lacking bounds and what to use
+    instead, and the model with those replacements is accepted: a user fixes every layer in one round."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Softplus(), nn.MaxPool2d(2), nn.Flatten(),
+                          nn.Dropout(0.1), nn.LayerNorm(16), nn.Linear(16, 3))
+    with pytest.raises(BoundError) as info:
+        BoundEngine(model, SHAPE, 1.0, 1.0)
+    message = str(info.value)
+    assert message.startswith("7 layers declare no Lipschitz/gradient bounds")
+    for name, layer, fix in [("0", "Conv2d", "LipschitzConv2d"), ("1", "BatchNorm2d", "remove it"),
+                             ("2", "Softplus", "MaxMin"), ("3", "MaxPool2d", "L2NormPool2d"),
+                             ("5", "Dropout", "remove it"), ("6", "LayerNorm", "LayerCentering"),
+                             ("7", "Linear", "LipschitzLinear")]:
+        assert f"'{name}' ({layer}: " in message and fix in message.split(f"'{name}' ({layer}: ")[1].split(")")[0]
+    fixed = nn.Sequential(cl.LipschitzConv2d(1, 4, 3, padding=1), cl.MaxMin(), cl.L2NormPool2d(2), nn.Flatten(),
+                          cl.LayerCentering(), cl.LipschitzLinear(16, 3))
+    assert BoundEngine(fixed, SHAPE, 1.0, 1.0).compute().layers
+    many = nn.Sequential(*[nn.Linear(4, 4) for _ in range(11)])
+    with pytest.raises(BoundError, match=r"11 layers declare .*'7' \(Linear: use LipschitzLinear\) and 3 more\)"):
+        BoundEngine(many, (4,), 1.0, 1.0)
+
+
 def test_parameter_without_bound_refused():
     class Sneaky(cl.BoundedModule):
         def __init__(self):

@@ -63,6 +63,39 @@ def _silu_lipschitz() -> float:
 _SILU_LIPSCHITZ = _silu_lipschitz()
 
 
+def _replacement(module: nn.Module) -> str:
+    """What to use instead of a torch layer that declares no bounds (empty for a layer of the user's own)."""
+    if isinstance(module, nn.Linear):
+        return "use LipschitzLinear"
+    if isinstance(module, nn.Conv2d):
+        return "use LipschitzConv2d or OrthogonalConv2d"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "remove it: batch statistics mix the examples; LayerCentering centres each example alone"
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)):
+        return "remove it: its division by a per-example deviation has no finite constant; LayerCentering centres"
+    if isinstance(module, (nn.modules.dropout._DropoutNd, nn.AlphaDropout)):
+        return "remove it: training-mode dropout rescales by 1/(1-p)"
+    if isinstance(module, (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+                           nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)):
+        return "use L2NormPool2d or ScaledAvgPool2d"
+    if type(module).__module__ == nn.ReLU.__module__:  # torch's activations
+        return "use an activation with a certified constant: MaxMin, GroupSort, ReLU, Tanh, GELU, SiLU, ELU, ..."
+    return ""
+
+
+def _undeclared_error(layers: Sequence[Tuple[str, nn.Module]]) -> BoundError:
+    """One refusal naming every layer without declared bounds (at most eight), each with what to use instead."""
+    def entry(name: str, module: nn.Module) -> str:
+        fix = _replacement(module)
+        return f"'{name}' ({type(module).__name__}{': ' + fix if fix else ''})"
+
+    shown = ", ".join(entry(*layer) for layer in layers[:8]) + (f" and {len(layers) - 8} more" if len(layers) > 8 else "")
+    what = f"layer {shown} declares" if len(layers) == 1 else f"{len(layers)} layers declare"
+    listed = "" if len(layers) == 1 else f" ({shown})"
+    return BoundError(f"{what} no Lipschitz/gradient bounds{listed}; use the clipless layers (LipschitzLinear, "
+                      "LipschitzConv2d, MaxMin, ...) or subclass clipless.BoundedModule and implement layer_bound()")
+
+
 def _activation_constants(module: nn.Module) -> Optional[Tuple[float, float, float]]:
     """``(l, m, c)`` of an elementwise torch activation (exact type): ``|f'| <= l``, ``|f(x) - c| <= m |x|``,
     ``c = f(0)``; ``None`` for any other layer, or settings without a finite constant."""
@@ -359,8 +392,7 @@ class BoundEngine(DeclaredConstants):
         self.input_shape = check_input_shape(input_shape)
         self.input_bound = float(input_bound)
         self._names = {id(m): n for n, m in model.named_modules()}
-        self._leaves: List[nn.Module] = []
-        self._collect_leaves(model, self._leaves)
+        self._leaves: List[nn.Module] = self._leaves_of(model)
         self._check_known_forwards()  # first: a parametrization names itself there, not as an uncovered parameter
         self._check_parameters_covered()
         self._in_shapes, self.output_shape = self._probe_shapes()
@@ -390,7 +422,8 @@ class BoundEngine(DeclaredConstants):
         return float(value)
 
     # -- validation -------------------------------------------------------
-    def _collect_leaves(self, module: nn.Module, leaves: List[nn.Module]) -> None:
+    def _collect_leaves(self, module: nn.Module, leaves: List[nn.Module],
+                        undeclared: Optional[List[Tuple[str, nn.Module]]] = None) -> None:
         residual = Residual
         name = self._names.get(id(module), "?") or "<model>"
         if isinstance(module, (nn.Sequential, residual)):
@@ -400,9 +433,9 @@ class BoundEngine(DeclaredConstants):
                                  "bound engine only knows the forward it analyses; use a plain container")
             if isinstance(module, nn.Sequential):
                 for child in module:
-                    self._collect_leaves(child, leaves)
+                    self._collect_leaves(child, leaves, undeclared)
             else:
-                self._collect_leaves(module.branch, leaves)  # type: ignore[attr-defined]
+                self._collect_leaves(module.branch, leaves, undeclared)  # type: ignore[attr-defined]
                 self._add_leaf(module, leaves)
             return
         if isinstance(module, BoundedModule):
@@ -412,11 +445,18 @@ class BoundEngine(DeclaredConstants):
         if type(module) in _PARAMETER_FREE_1LIP or _activation_constants(module) is not None:
             self._add_leaf(module, leaves)
             return
-        raise BoundError(
-            f"layer '{name}' ({type(module).__name__}) declares no Lipschitz/gradient bounds; "
-            "use the clipless layers (LipschitzLinear, LipschitzConv2d, MaxMin, ...) or subclass "
-            "clipless.BoundedModule and implement layer_bound()"
-        )
+        if undeclared is None:
+            raise _undeclared_error([(name, module)])
+        undeclared.append((name, module))
+
+    def _leaves_of(self, model: nn.Module) -> List[nn.Module]:
+        """The model's layers in forward order; one error names every layer without declared bounds."""
+        leaves: List[nn.Module] = []
+        undeclared: List[Tuple[str, nn.Module]] = []
+        self._collect_leaves(model, leaves, undeclared)
+        if undeclared:
+            raise _undeclared_error(undeclared)
+        return leaves
 
     def _add_leaf(self, module: nn.Module, leaves: List[nn.Module]) -> None:
         if any(m is module for m in leaves):
@@ -464,8 +504,7 @@ class BoundEngine(DeclaredConstants):
         would be read with another layer's bound."""
         names = {id(m): n for n, m in self.model.named_modules()}
         try:
-            current: List[nn.Module] = []
-            self._collect_leaves(self.model, current)
+            current = self._leaves_of(self.model)
         except BoundError as err:
             raise BoundError(f"the model changed after its bounds were set up: {err}") from err
         if len(current) != len(self._leaves) or any(a is not b for a, b in zip(current, self._leaves)) or any(
