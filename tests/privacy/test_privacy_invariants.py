@@ -771,6 +771,37 @@ def test_functions_replaced_globally_after_make_private_refused(monkeypatch, whe
     assert engine.accountant.steps == steps + 1
 
 
+
+def test_torchs_own_wrapper_of_manual_seed_at_its_first_optimizer_is_not_a_replacement():
+    """torch replaces ``torch.manual_seed`` by a wrapper when dynamo is first imported, which the first
+    ``torch.optim`` optimizer does. A bound engine set up before any optimizer (a bounds report, then training)
+    refused every later forward with "torch.manual_seed was replaced"; the engine now imports dynamo before its
+    snapshot. A fresh interpreter (this one imported dynamo long ago); a real replacement is still refused there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys, torch
+        import clipless as cl
+        from clipless.privacy.bounds import BoundEngine
+        assert "torch._dynamo" not in sys.modules
+        model = cl.lipschitz_mlp((4,), 3, hidden=(8,))
+        engine = BoundEngine(model, (4,), 1.0, 1.0)
+        torch.optim.SGD(model.parameters(), lr=0.1)  # the first optimizer: dynamo wraps torch.manual_seed
+        engine.compute()
+        torch.manual_seed = lambda seed: None
+        try:
+            engine.compute()
+        except cl.BoundError as err:
+            assert "torch.manual_seed was replaced" in str(err), err
+        else:
+            raise AssertionError("a replaced torch.manual_seed was not seen")
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
 def _wrapped(fn, factor=1.5):
     """``fn`` times ``factor`` under ``fn``'s own name and module (``functools.wraps``), through a partial, and
     through ``functools.lru_cache`` (a wrapper object of C)."""

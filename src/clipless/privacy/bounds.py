@@ -233,6 +233,11 @@ class FunctionNamespaces:
     base), is a change; other additions (torch's lazily loaded attributes) and plain values set are not."""
 
     def __init__(self, layer_modules: Sequence[str] = ()) -> None:
+        # torch replaces torch.manual_seed by a wrapper when dynamo is first imported, which the first torch.optim
+        # optimizer does: imported here, that happens before the snapshot instead of after it, where it would be
+        # refused as a replaced function at the next forward.
+        import torch._dynamo  # noqa: F401
+
         names = [n for n in _FUNCTION_NAMESPACES if n in sys.modules]
         names += sorted(n for n in list(sys.modules) if n == "clipless.nn" or n.startswith("clipless.nn."))
         # the torch modules defining the model's torch layers (nn.ReLU reads F from torch.nn.modules.activation)
