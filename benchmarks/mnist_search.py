@@ -116,11 +116,19 @@ PIXELS3 = [
     {**_PARTS, "input_clip": 3.0},
     {**CHOSEN_PIXELS3, "conv": "orthogonal"},  # trained projectors: 98.2% without noise (--nonprivate-ceiling)
 ]
+# Raw pixels, fourth round (``--grid pixels4``), from CHOSEN_PIXELS3: the learning rate, fixed at 1e-2 since the first
+# round and never searched, and a cosine schedule of it.
+PIXELS4 = [
+    CHOSEN_PIXELS3,
+    {**CHOSEN_PIXELS3, "lr": 3e-3},
+    {**CHOSEN_PIXELS3, "lr": 3e-2},
+    {**CHOSEN_PIXELS3, "lr_schedule": "cosine"},
+]
 ROUNDS = {"first": GRID, "second": [CHOSEN, *SECOND], "third": [CHOSEN, *THIRD], "pixels": PIXELS,
-          "pixels2": [CHOSEN_PIXELS, *PIXELS2], "pixels3": PIXELS3}
+          "pixels2": [CHOSEN_PIXELS, *PIXELS2], "pixels3": PIXELS3, "pixels4": PIXELS4}
 # What --final-only scores for each round: its choice (the search picks again when it runs).
 FINAL = {"first": CHOSEN, "second": CHOSEN, "third": CHOSEN_EPS3, "pixels": CHOSEN_PIXELS, "pixels2": CHOSEN_PIXELS2,
-         "pixels3": CHOSEN_PIXELS3}
+         "pixels3": CHOSEN_PIXELS3, "pixels4": CHOSEN_PIXELS3}
 
 
 def features(data_dir: str):

@@ -555,7 +555,7 @@ def test_mnist_recipes_are_the_choices_of_the_validation_search() -> None:
     spec.loader.exec_module(search)
     for name, chosen, epsilon in (("mnist.yaml", {"features": "scattering", **search.FINAL["first"]}, 1.0),
                                   ("mnist_eps3.yaml", {"features": "scattering", **search.FINAL["third"]}, 3.0),
-                                  ("mnist_pixels.yaml", search.FINAL["pixels3"], 3.0)):
+                                  ("mnist_pixels.yaml", search.FINAL["pixels4"], 3.0)):
         config = validate(_read_yaml(str(root / "configs" / name)))
         assert config["epsilon"] == epsilon, name
         assert {k: config[k] for k in chosen} == chosen, name
