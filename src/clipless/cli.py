@@ -1096,11 +1096,11 @@ def run_epsilon(args: argparse.Namespace) -> Dict[str, Any]:
     plan = plan_noise(None, sample_rate=sample_rate, accountant=accountant,
                       noise_multiplier=settings.get("noise_multiplier"), target_epsilon=settings.get("epsilon"),
                       delta=delta, steps=steps)
-    taken = min(steps, plan.max_steps) if plan.max_steps is not None else steps
+    taken: int = plan.max_steps  # type: ignore[assignment]  # the planned steps, or fewer: where the budget stops
     return {"records": records, "expected_batch_size": batch_size, "sample_rate": sample_rate,
             "planned_steps": steps, "steps": taken, "epochs": settings["epochs"],
             "steps_per_epoch": poisson_steps_per_epoch(sample_rate), "noise_multiplier": plan.step_sigma,
-            "epsilon": compute_epsilon(plan.step_sigma, sample_rate, taken, delta, accountant) if taken else 0.0,
+            "epsilon": compute_epsilon(plan.step_sigma, sample_rate, taken, delta, accountant),
             "target_epsilon": plan.target_epsilon, "delta": delta, "accountant": accountant,
             "stopped_by_budget": plan.budget_limited}
 

@@ -61,8 +61,8 @@ def test_layer_without_declared_bounds_refused(bad, data):
 def test_every_layer_without_declared_bounds_is_named_at_once_with_its_replacement():
     """A model of torch layers is refused in one error that names each layer lacking bounds and what to use
     instead, and the model with those replacements is accepted: a user fixes every layer in one round."""
-    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Softplus(), nn.MaxPool2d(2), nn.Flatten(),
-                          nn.Dropout(0.1), nn.LayerNorm(16), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Softplus(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Dropout(0.1), nn.LayerNorm(16), nn.Linear(16, 3))
     with pytest.raises(BoundError) as info:
         BoundEngine(model, SHAPE, 1.0, 1.0)
     message = str(info.value)

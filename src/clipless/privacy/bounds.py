@@ -89,7 +89,9 @@ def _undeclared_error(layers: Sequence[Tuple[str, nn.Module]]) -> BoundError:
         fix = _replacement(module)
         return f"'{name}' ({type(module).__name__}{': ' + fix if fix else ''})"
 
-    shown = ", ".join(entry(*layer) for layer in layers[:8]) + (f" and {len(layers) - 8} more" if len(layers) > 8 else "")
+    shown = ", ".join(entry(*layer) for layer in layers[:8])
+    if len(layers) > 8:
+        shown += f" and {len(layers) - 8} more"
     what = f"layer {shown} declares" if len(layers) == 1 else f"{len(layers)} layers declare"
     listed = "" if len(layers) == 1 else f" ({shown})"
     return BoundError(f"{what} no Lipschitz/gradient bounds{listed}; use the clipless layers (LipschitzLinear, "

@@ -15,8 +15,8 @@ from .certified import DeclaredConstants, is_real, whole_number
 from .randomness import is_secret_generator, mechanism_words, secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
-           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "poisson_steps_per_epoch", "dataset_size", "SAMPLING_BITS",
-           "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS",
+           "poisson_threshold", "realised_sample_rate", "expected_batch_size", "poisson_steps_per_epoch",
+           "dataset_size", "SAMPLING_BITS", "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS",
            "loader_parts", "step_progress", "physical_batches", "check_physical_batch_size"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
