@@ -143,14 +143,19 @@ def test_weight_ascent_does_not_break_the_parameter_bounds():
     assert worst > 1e-3  # the attack reached gradients of the bound's order, not a vanishing corner
 
 
-def test_engine_bounds_a_deep_orthogonal_cnn_and_export_matches():
+@pytest.mark.parametrize("seed", [0, 30])
+def test_engine_bounds_a_deep_orthogonal_cnn_and_export_matches(seed):
+    """Seeded: the initialization used to follow the tests run before (seed 30 failed the old tolerance). The export's
+    L2-norm pools differ from the layer's by at most sqrt(eps) = 1e-5 per output (64 and 24 outputs here), so the
+    logits, 1-Lipschitz from there, by at most 1e-5 (sqrt(64) + sqrt(24)) = 1.3e-4."""
+    torch.manual_seed(seed)
     model = cl.lipschitz_vgg((1, 8, 8), CLASSES, channels=(4, 6), conv="orthogonal", activation="maxmin")
     assert sum(isinstance(m, cl.OrthogonalConv2d) for m in model.modules()) == 4
     check(model, (1, 8, 8), radius=2.0, trained=True)
     exported = cl.export(model, (1, 8, 8))
     assert not any(type(m).__module__.startswith("clipless") for m in exported.modules())
     x = torch.rand(5, 1, 8, 8)
-    torch.testing.assert_close(exported(x), model(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(exported(x), model(x), rtol=0, atol=1e-5 * (8 + 24 ** 0.5))
 
 
 def test_builders_take_the_orthogonal_convolution_and_refuse_unknown_ones():
