@@ -430,7 +430,7 @@ class BoundEngine(DeclaredConstants):
 
     # -- validation -------------------------------------------------------
     def _collect_leaves(self, module: nn.Module, leaves: List[nn.Module],
-                        undeclared: Optional[List[Tuple[str, nn.Module]]] = None) -> None:
+                        undeclared: List[Tuple[str, nn.Module]]) -> None:
         residual = Residual
         name = self._names.get(id(module), "?") or "<model>"
         if isinstance(module, (nn.Sequential, residual)):
@@ -452,9 +452,7 @@ class BoundEngine(DeclaredConstants):
         if type(module) in _PARAMETER_FREE_1LIP or _activation_constants(module) is not None:
             self._add_leaf(module, leaves)
             return
-        if undeclared is None:
-            raise _undeclared_error([(name, module)])
-        undeclared.append((name, module))
+        undeclared.append((name, module))  # refused by _leaves_of, all at once
 
     def _leaves_of(self, model: nn.Module) -> List[nn.Module]:
         """The model's layers in forward order; one error names every layer without declared bounds."""
