@@ -81,6 +81,8 @@ def _weights(draw) -> tuple:
 @st.composite
 def architectures(draw):
     """``(model, input shape, input radius, loss, seed)``: an image or vector model of 1-6 blocks and a head."""
+    seed = draw(st.integers(0, 10_000))
+    torch.manual_seed(seed)  # the layers' initialization: a failing case is reproduced from its seed
     layers: list = []
     radius = draw(st.sampled_from([0.5, 2.0, 6.0]))
     if draw(st.booleans()):
@@ -143,7 +145,6 @@ def architectures(draw):
     if draw(st.booleans()):
         layers.append(cl.LossGradientClip(draw(st.sampled_from([0.1, 1.0]))))
     model = nn.Sequential(*layers)
-    seed = draw(st.integers(0, 10_000))
     with torch.no_grad():  # weights off the feasible set, unprojected: the engine certifies them as they are
         gen = torch.Generator().manual_seed(seed)
         scale = draw(st.sampled_from([0.0, 0.2, 1.0, 3.0]))
@@ -173,7 +174,7 @@ def _largest_output_norm(model: nn.Module, shape, radius: float, seed: int) -> f
         return max(best, float(model(x).norm()))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(architectures())
 def test_bounds_of_random_architectures_with_unprojected_weights_hold(case):
     model, shape, radius, loss, seed = case
