@@ -13,11 +13,12 @@ report's output bound, and its measured Lipschitz constant within the declared o
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -26,7 +27,7 @@ from clipless.privacy.bounds import BoundEngine
 
 from helpers import CLASSES, TOL, measured_lipschitz, random_inputs, worst_gradient_ratios
 
-# Activations with a certified constant; (name, factory, needs an even width on axis 1)
+# Activations with a certified constant, by name (MaxMin and GroupSort(3) need widths they divide)
 _ACTIVATIONS = {
     "maxmin": lambda: cl.MaxMin(), "groupsort3": lambda: cl.GroupSort(3), "relu": nn.ReLU, "tanh": nn.Tanh,
     "sigmoid": nn.Sigmoid, "softsign": nn.Softsign, "tanhshrink": nn.Tanhshrink,
@@ -174,7 +175,8 @@ def _largest_output_norm(model: nn.Module, shape, radius: float, seed: int) -> f
         return max(best, float(model(x).norm()))
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@seed(20261130)  # a fixed draw: the fast suite runs the same cases every time; drop it to search wider
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(architectures())
 def test_bounds_of_random_architectures_with_unprojected_weights_hold(case):
     model, shape, radius, loss, seed = case
@@ -187,8 +189,14 @@ def test_bounds_of_random_architectures_with_unprojected_weights_hold(case):
     largest = _largest_output_norm(model, shape, radius, seed)
     assert largest <= report.output_bound * (1 + TOL) + 1e-6, (largest, report.output_bound, model)
     lipschitz = BoundEngine(model, shape, radius, loss.lipschitz).lipschitz_constant()
-    measured = measured_lipschitz(model, shape, radius, restarts=2, steps=20, seed=seed)
-    assert measured <= lipschitz * (1 + TOL) + 1e-6, (measured, lipschitz, model)
+    # in float64: a float32 finite difference at the radius 0.5 is off by 5e-4 (rounding of f over a step of 1e-3)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        measured = measured_lipschitz(copy.deepcopy(model).double(), shape, radius, restarts=2, steps=20, seed=seed)
+    finally:
+        torch.set_default_dtype(default)
+    assert measured <= lipschitz * (1 + 1e-9) + 1e-12, (measured, lipschitz, model)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -208,3 +216,20 @@ def test_a_deep_stack_of_every_family_after_projection(seed):
     worst = worst_gradient_ratios(model, loss, shape, 3.0, CLASSES, seed=seed, report=report)
     assert max(worst.values()) <= 1 + TOL, worst
     assert _largest_output_norm(model, shape, 3.0, seed) <= report.output_bound * (1 + TOL)
+
+
+@pytest.mark.parametrize("a, b", [(1.0, 1.0), (0.3, 1.7), (0.0, 1.0)])
+def test_the_residual_sum_rules_are_reached(a, b):
+    """``y = a x + b h(x)`` with a branch that copies its input is ``(a + b) x``: its output bound ``(a + b) X`` and
+    Lipschitz constant ``a + b`` are attained (before an orthonormal head), so a rule that took the larger of the
+    two terms instead of their sum fails here for every seed, not only for the cases a random draw reaches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(cl.Residual(nn.Sequential(_copy(cl.LipschitzLinear(6, 6))), a, b),
+                          cl.LipschitzLinear(6, CLASSES))
+    engine = BoundEngine(model, (6,), 2.0, cl.TauCrossEntropy(1.0).lipschitz)
+    engine.project_()
+    report = engine.compute()
+    assert report.output_bound == pytest.approx(2.0 * (a + b), rel=1e-6)
+    assert _largest_output_norm(model, (6,), 2.0, 0) >= 2.0 * (a + b) * 0.98  # ascent gets within 1%
+    assert engine.lipschitz_constant() == pytest.approx(a + b, rel=1e-6)
+    assert measured_lipschitz(model, (6,), 2.0) >= (a + b) * 0.98
