@@ -81,7 +81,8 @@ def _weights(draw) -> tuple:
 
 @st.composite
 def architectures(draw):
-    """``(model, input shape, input radius, loss, seed)``: an image or vector model of one to eight blocks and a head."""
+    """``(model, input shape, input radius, loss, seed)``: an image or vector model of one to eight blocks and a
+    head."""
     seed = draw(st.integers(0, 10_000))
     torch.manual_seed(seed)  # the layers' initialization: a failing case is reproduced from its seed
     layers: list = []
