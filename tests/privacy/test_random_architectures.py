@@ -234,3 +234,30 @@ def test_the_residual_sum_rules_are_reached(a, b):
     assert _largest_output_norm(model, (6,), 2.0, 0) >= 2.0 * (a + b) * 0.98  # ascent gets within 1%
     assert engine.lipschitz_constant() == pytest.approx(a + b, rel=1e-6)
     assert measured_lipschitz(model, (6,), 2.0) >= (a + b) * 0.98
+
+
+@seed(20261130)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(architectures())
+def test_drawn_models_take_private_steps(case):
+    """Every drawn model trains through ``make_private`` on records within its input bound: two private steps are
+    released and the weights move (a false refusal of a layer the engine bounds, as the orthogonal convolution's
+    once was, fails here)."""
+    model, shape, radius, loss, seed_ = case
+    gen = torch.Generator().manual_seed(seed_)
+    data = torch.utils.data.TensorDataset(random_inputs(48, shape, radius, gen),
+                                          torch.randint(0, CLASSES, (48,), generator=gen))
+    engine = cl.PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=loss,
+        noise_multiplier=1.0, input_shape=shape, batch_size=16, input_bound=radius)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        loss.per_example(model(x), y).sum().backward()
+        optimizer.step()
+        if step == 1:
+            break
+    assert engine.accountant.steps == 2
+    # (not every one: a 1 x 1 orthogonal convolution of one channel is +-1, whatever the step)
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
