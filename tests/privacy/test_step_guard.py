@@ -548,6 +548,7 @@ def test_a_resume_of_the_optimizer_alone_keeps_composing_its_steps():
     # a state without the history (an older version) loads only into an accountant that holds the steps already
     old = {k: v for k, v in saved_opt.items() if k != "accountant"}
     model, opt, loss, engine, _, loader = _setup_with_loader()
+    model.load_state_dict(saved_model)
     with pytest.raises(ValueError, match="records no accountant history"):
         opt.load_state_dict(old)
     engine.accountant.load_state_dict(saved_opt["accountant"])
@@ -558,6 +559,62 @@ def test_a_resume_of_the_optimizer_alone_keeps_composing_its_steps():
     other_engine.accountant.step(1.0, 0.5)
     with pytest.raises(ValueError, match="optimizer's accountant has already released 1 private step"):
         other.load_state_dict(saved_opt)
+
+
+@pytest.mark.parametrize("how", ["hand_update", "another_runs_model", "older_version"])
+def test_a_resume_takes_only_the_model_its_state_released(how):
+    """Loading an optimizer state took whatever the model held then as released: an update by hand from training
+    records' gradient (no noise) made after make_private, then ``opt.load_state_dict(saved)``, and the next step
+    went through with the update in the model, which the step released; so did the model of another run, whose
+    steps this state's accountant does not hold.  The state now records digests of the model state it released;
+    loading it into a model that holds anything else is refused, nothing loaded, and the change is put back at the
+    next step.  Found by random sequences of loop actions (``tests/privacy/test_loop_sequences.py``)."""
+    model, opt, loss, engine, data, loader = _setup_with_loader()
+    saved = opt.state_dict()
+    released = [p.detach().clone() for p in model.parameters()]
+    if how == "hand_update":
+        loss.per_example(model(data.features[:16]), data.labels[:16]).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+        opt.zero_grad()
+    elif how == "another_runs_model":
+        other, other_opt, _, _, _, other_loader = _setup_with_loader()
+        bx, by = next(iter(other_loader))
+        loss.per_example(other(bx), by).sum().backward()
+        other_opt.step()
+        model.load_state_dict(other.state_dict())
+    else:  # a state saved before the record: its model cannot be checked
+        saved = {k: v for k, v in saved.items() if k != "released_state"}
+    generator = opt.generator.get_state()
+    match = ("saved by an older version" if how == "older_version" else
+             r"the model does not hold the state this optimizer state released \(0\.weight")
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    assert torch.equal(opt.generator.get_state(), generator) and engine.accountant.steps == 0
+    if how == "older_version":
+        return
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    _refused(opt, engine, "weights of the private model changed outside the private step", released)
+
+
+def test_a_resume_into_a_cast_model_is_accepted():
+    """The record compares values, as the step's own check does: a model cast to float64 resumes."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    opt.step()
+    saved_model, saved_opt = model.state_dict(), opt.state_dict()
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    model.load_state_dict(saved_model)
+    model.double()
+    opt.load_state_dict(saved_opt)
+    assert engine.accountant.steps == 1
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx.double()), by).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 2
 
 
 @pytest.mark.parametrize("state", ["inner", None, [1], "no_generator"])

@@ -13,6 +13,7 @@ be the gradient of the **sum** of per-example losses of one Poisson batch
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -30,7 +31,7 @@ from .noise import add_noise_, check_secure_flag
 from .randomness import resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
-__all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_", "put_back_changes_"]
+__all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_", "put_back_changes_", "state_digests"]
 
 
 # The private optimizer that steps each model now: a later make_private of the model retires the earlier one.
@@ -57,6 +58,24 @@ def changed_state(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tenso
         return a.shape == b.shape and torch.equal(a.detach(), b.to(device=a.device, dtype=a.dtype))
     return sorted(name for name in set(current) | set(saved)
                   if name not in current or name not in saved or not same(current[name], saved[name]))
+
+
+def state_digests(tensors: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """SHA-256 of each named tensor's shape and values, floating and complex ones widened to double precision
+    first (exactly), so that a cast that keeps every value (``model.double()``, ``.to(device)``) is no change, as
+    for :func:`changed_state`: what a saved optimizer state records of the model state it released."""
+    digests = {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu")
+        if t.is_complex():
+            t = t.to(torch.complex128)
+        elif t.is_floating_point():
+            t = t.to(torch.float64)
+        kind = "float" if t.is_floating_point() or t.is_complex() else str(t.dtype)
+        h = hashlib.sha256(f"{kind}:{tuple(t.shape)}:".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digests[name] = h.hexdigest()
+    return digests
 
 
 @torch.no_grad()
@@ -561,6 +580,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             "noise_generator": saved_generator_state(self.generator),
             # the steps the inner state comes from: a resume that loads it goes on composing them
             "accountant": self.accountant.state_dict(),
+            # the model those steps released: a resume must load this model, not one changed or trained elsewhere
+            "released_state": state_digests(self._released_state),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -570,7 +591,10 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         would otherwise report the epsilon of its new steps only.  A secret generator keeps its fresh OS-entropy
         state: the noise only has to be secret, and two runs resumed from one state would otherwise draw the same
         noise, so that the difference of their releases would show the difference of their gradients without
-        noise."""
+        noise.  The model must hold the state those steps released (load the model's state first; its
+        digests are compared, :func:`state_digests`): it becomes this optimizer's released state, and a model
+        changed after make_private (an update by hand from a batch's gradient) or taken from another run would
+        otherwise be released by the next step without its noise or its accounting."""
         check_nothing_released(self._steps_released, "this private optimizer")
         if not isinstance(state, dict) or not {"optimizer", "noise_generator"} <= set(state):
             inner = isinstance(state, dict) and {"state", "param_groups"} <= set(state)
@@ -592,11 +616,25 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 raise ValueError(f"this optimizer state was accounted with the {saved.get('mechanism')!r} accountant, "
                                  f"this run uses {self.accountant.mechanism!r}: resume with the same accountant")
             check_nothing_released(self.accountant.steps, "this optimizer's accountant")
+        self._check_resumed_model(state.get("released_state"))
         self.original_optimizer.load_state_dict(state["optimizer"])
         resume_generator(self.generator, state["noise_generator"])
         if saved is not None and self.accountant.steps == 0:
             self.accountant.load_state_dict(saved)
         self._released_state = self._snapshot_released()  # the resumed model's, loaded before this
+
+    def _check_resumed_model(self, released: Optional[Dict[str, str]]) -> None:
+        if not isinstance(released, dict):
+            raise ValueError("this optimizer state does not record the model state its steps released (saved by an "
+                             "older version of clipless): a model changed after that release would be released "
+                             "without noise, and nothing can check it; resume from a state saved by this version")
+        current = state_digests(_model_state(self.bound_engine.model))
+        changed = sorted(name for name in set(current) | set(released) if current.get(name) != released.get(name))
+        if changed:
+            raise ValueError(f"the model does not hold the state this optimizer state released ({', '.join(changed[:4])}"
+                             f"{', ...' if len(changed) > 4 else ''}): load the model's state saved with it before "
+                             "the optimizer's; a model changed since (an update by hand) or another run's would be "
+                             "released by the next step without its noise or the steps that made it")
 
     def __repr__(self) -> str:
         return (
