@@ -1089,6 +1089,29 @@ def test_an_optimizer_other_than_the_private_one_cannot_step_the_model(which):
     other.step()
 
 
+@pytest.mark.parametrize("inner", [functools.partial(torch.optim.SGD, momentum=0.9), torch.optim.Adam])
+def test_an_optimizer_that_already_stepped_is_refused(inner):
+    """make_private took an optimizer whose state came from earlier steps: a warm-up step at learning rate 0 (the
+    weights unchanged) left SGD's momentum holding the full data's gradient without noise, and every released step
+    applied 0.9 times it (Adam's moments likewise).  Refused now, the model left as it was; a fresh optimizer runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    x = torch.randn(96, *SHAPE)
+    x, y = x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (96,))
+    warm = inner(model.parameters(), lr=0.0)
+    cl.TauCrossEntropy(2.0).per_example(model(x), y).sum().backward()
+    warm.step()
+    with pytest.raises(ValueError, match=f"the {type(warm).__name__} given to make_private holds state from earlier "
+                                         r"steps \(momentum or moments of 2 parameter"):
+        _setup_with_loader(model=model, optimizer_cls=lambda params, lr: warm)
+    assert all(p.grad is not None for p in model.parameters())  # nothing of make_private ran on the model
+    _, opt, loss, engine, _, loader = _setup_with_loader(model=model, optimizer_cls=inner)
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 1
+
+
 def test_an_optimizer_that_needs_a_closure_refused():
     """LBFGS evaluates the loss several times inside one step: each evaluation's gradient would move the weights
     without noise; before, the private step crashed half-way (after the noise was added)."""

@@ -137,6 +137,12 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             raise ValueError(f"{type(optimizer).__name__} needs a closure in step(): it evaluates the loss several "
                              "times per step, and each evaluation's gradient would be used without noise; use a "
                              "first-order optimizer (SGD, Adam, ...)")
+        held = sum(1 for state in optimizer.state.values() if state)
+        if held:
+            raise ValueError(f"the {type(optimizer).__name__} given to make_private holds state from earlier steps "
+                             f"(momentum or moments of {held} parameter(s)): made from gradients without noise, it "
+                             "would move every released step; give make_private a fresh optimizer (a resume: "
+                             "make_private, then dp_optimizer.load_state_dict(saved))")
         bind_accountant(bound_engine.model, accountant)
         self.original_optimizer = optimizer
         self.rank, self.world_size = world() if distributed else (0, 1)
