@@ -1187,6 +1187,26 @@ def test_a_directory_as_the_pretraining_checkpoint_is_refused_before_training(tm
         _trainer("logit_dp", checkpoint_path=tmp_path)
 
 
+@pytest.mark.parametrize("method", ["logit_dp", "naive_dp"])
+def test_an_optimizer_that_already_stepped_is_refused(method) -> None:
+    """The pre-trainer took the optimizer's state as given for released: Adam's moments from a non-private step on
+    the training images moved every private step.  Refused for the private methods; a fresh optimizer runs."""
+    data, pairs = _digits_pairs()
+    enc = nn.Sequential(nn.Flatten(), nn.Linear(64, 16))
+    warm = torch.optim.Adam(enc.parameters(), lr=0.0)
+    enc(data.train.features[:32]).square().sum().backward()
+    warm.step()
+    options = dict(method=method, batch_size=128, epochs=1, delta=1e-5, noise_multiplier=1.0, progress=False,
+                   log=None)
+    with pytest.raises(ValueError, match=r"the Adam given to the pre-trainer holds state from earlier steps"):
+        ContrastivePretrainer(enc, warm, pairs, **options)
+    ContrastivePretrainer(enc, warm, pairs, **{**options, "method": "nonprivate"})  # its own business
+    enc.zero_grad()
+    t = ContrastivePretrainer(enc, torch.optim.Adam(enc.parameters(), lr=0.1), pairs, **options)
+    t._step(*pairs.gather(list(range(16))))
+    assert t.accountant.steps == 1
+
+
 @pytest.mark.parametrize("given", ["with_a_head", "of_another_model"])
 def test_an_optimizer_of_parameters_outside_the_encoder_is_refused(given) -> None:
     """Before, a head in the pre-trainer's optimizer, holding the gradient of a non-private backward, was stepped

@@ -25,7 +25,8 @@ from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_acco
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
 from ..privacy.certified import whole_number
 from ..privacy.noise import add_gaussian_noise_, check_secure_flag
-from ..privacy.optimizer import changed_state, put_back_changes_, restore_state_, snapshot_state
+from ..privacy.optimizer import (changed_state, check_fresh_optimizer, put_back_changes_, restore_state_,
+                                 snapshot_state)
 from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
@@ -282,6 +283,7 @@ class ContrastivePretrainer(DeclaredConstants):
         plan: Optional[NoisePlan] = None
         sensitivity: Optional[float] = None
         if method != "nonprivate":
+            check_fresh_optimizer(optimizer, "the pre-trainer", "load_checkpoint")
             _check_no_running_statistics(encoder)
             _check_pair_records(pairs, encoder)
             if delta is None:

@@ -31,7 +31,8 @@ from .noise import add_noise_, check_secure_flag
 from .randomness import resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
-__all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_", "put_back_changes_", "state_digests"]
+__all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_", "put_back_changes_", "state_digests",
+           "check_fresh_optimizer"]
 
 
 # The private optimizer that steps each model now: a later make_private of the model retires the earlier one.
@@ -58,6 +59,16 @@ def changed_state(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tenso
         return a.shape == b.shape and torch.equal(a.detach(), b.to(device=a.device, dtype=a.dtype))
     return sorted(name for name in set(current) | set(saved)
                   if name not in current or name not in saved or not same(current[name], saved[name]))
+
+
+def check_fresh_optimizer(optimizer: torch.optim.Optimizer, given_to: str, resume: str) -> None:
+    """Refuse an optimizer that has stepped already: its momentum or moments came from gradients without noise
+    and would move every released step (the private steps only own what they add to the state)."""
+    held = sum(1 for state in optimizer.state.values() if state)
+    if held:
+        raise ValueError(f"the {type(optimizer).__name__} given to {given_to} holds state from earlier steps "
+                         f"(momentum or moments of {held} parameter(s)): made from gradients without noise, it "
+                         f"would move every released step; give it a fresh optimizer (a resume: {resume})")
 
 
 def state_digests(tensors: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -137,12 +148,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             raise ValueError(f"{type(optimizer).__name__} needs a closure in step(): it evaluates the loss several "
                              "times per step, and each evaluation's gradient would be used without noise; use a "
                              "first-order optimizer (SGD, Adam, ...)")
-        held = sum(1 for state in optimizer.state.values() if state)
-        if held:
-            raise ValueError(f"the {type(optimizer).__name__} given to make_private holds state from earlier steps "
-                             f"(momentum or moments of {held} parameter(s)): made from gradients without noise, it "
-                             "would move every released step; give make_private a fresh optimizer (a resume: "
-                             "make_private, then dp_optimizer.load_state_dict(saved))")
+        check_fresh_optimizer(optimizer, "make_private", "make_private, then dp_optimizer.load_state_dict(saved)")
         bind_accountant(bound_engine.model, accountant)
         self.original_optimizer = optimizer
         self.rank, self.world_size = world() if distributed else (0, 1)
