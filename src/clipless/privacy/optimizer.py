@@ -643,10 +643,11 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         current = state_digests(_model_state(self.bound_engine.model))
         changed = sorted(name for name in set(current) | set(released) if current.get(name) != released.get(name))
         if changed:
-            raise ValueError(f"the model does not hold the state this optimizer state released ({', '.join(changed[:4])}"
-                             f"{', ...' if len(changed) > 4 else ''}): load the model's state saved with it before "
-                             "the optimizer's; a model changed since (an update by hand) or another run's would be "
-                             "released by the next step without its noise or the steps that made it")
+            names = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
+            raise ValueError(f"the model does not hold the state this optimizer state released ({names}): load the "
+                             "model's state saved with it before the optimizer's; a model changed since (an update "
+                             "by hand) or another run's would be released by the next step without its noise or the "
+                             "steps that made it")
 
     def __repr__(self) -> str:
         return (
