@@ -251,8 +251,9 @@ class Loop(RuleBasedStateMachine):
     def edit_gradient(self):
         grad = self.model[2].weight.grad
         if grad is not None:
+            before = grad.clone()
             grad.mul_(3.0)
-            self.honest = False
+            self.honest = self.honest and torch.equal(grad, before)  # a gradient set to zeros stays as it was
         self.trace.append("edit_gradient")
 
     @rule(factor=st.sampled_from([1.01, 0.5, 2.0]))
