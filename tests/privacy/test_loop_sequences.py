@@ -128,10 +128,12 @@ class Loop(RuleBasedStateMachine):
             ((value.mean() if mean else value.sum()) * scale).backward()
 
         if self._try(f"{name}({rows.tolist()}, x{scale})", run):
-            weight = scale / max(len(rows), 1) if mean else scale
-            self.rows += [(index, int(i), weight) for i in rows]
-            if weight < 0 or not self._at_released():
-                self.honest = False
+            self._took(index, rows, scale / max(len(rows), 1) if mean else scale)
+
+    def _took(self, index, rows, weight=1.0):
+        """Rows of batch ``index`` backpropagated with loss weight ``weight``: honest at the released weights."""
+        self.rows += [(index, int(i), weight) for i in rows]
+        self.honest = self.honest and weight >= 0 and self._at_released()
 
     # the loop's actions
 
@@ -168,8 +170,7 @@ class Loop(RuleBasedStateMachine):
             n = len(ys)
             if self._try(f"physical({start}:{start + n})",
                          lambda: self.loss.per_example(self.model(xs), ys).sum().backward()):
-                self.rows += [(index, i, 1.0) for i in range(start, start + n)]
-                self.honest = self.honest and self._at_released()
+                self._took(index, range(start, start + n))
             start += n
 
     @precondition(lambda self: self.batches and len(self.batches[-1][1]) >= 2)
@@ -180,8 +181,7 @@ class Loop(RuleBasedStateMachine):
         bx, by = self.batches[index]
         if self._try("two_forwards", lambda: (self.loss.per_example(self.model(bx[:1]), by[:1]).sum()
                                               + self.loss.per_example(self.model(bx[1:]), by[1:]).sum()).backward()):
-            self.rows += [(index, i, 1.0) for i in range(len(by))]
-            self.honest = self.honest and self._at_released()
+            self._took(index, range(len(by)))
 
     @precondition(lambda self: self.batches)
     @rule(mean=st.booleans(), copies=st.integers(2, 3))
@@ -197,8 +197,7 @@ class Loop(RuleBasedStateMachine):
             (value.view(copies, -1).mean(0).sum() if mean and len(y) else value.sum()).backward()
 
         if self._try(f"copies(x{copies}, mean={mean})", run):
-            self.rows += [(index, i, 1 / copies if mean else 1.0) for _ in range(copies) for i in range(len(by))]
-            self.honest = self.honest and self._at_released()
+            self._took(index, list(range(len(by))) * copies, 1 / copies if mean else 1.0)
 
     @precondition(lambda self: self.batches and len(self.batches[-1][1]) > 0)
     @rule()
@@ -328,21 +327,21 @@ class Loop(RuleBasedStateMachine):
     @rule()
     def step(self):
         steps, latest = self.engine.accountant.steps, len(self.batches) - 1
-        at_released = self._at_released()
-        honest = (self.honest and at_released and self.drawn_since_step == 1 and self.rows
-                  and all(b == latest for b, _, _ in self.rows) and self._weights_allowed())
+        # what an accepted step must satisfy, checked before it runs (the step changes the weights and the rows)
+        allowed = {f"accepted after {self.drawn_since_step} batches drawn": self.drawn_since_step == 1,
+                   "accepted a step whose backwards were not honest": self.honest and self._at_released(),
+                   "accepted rows of an earlier batch": all(b == latest for b, _, _ in self.rows),
+                   "accepted rows weighing more than the multiplicity allows": self._weights_allowed()}
         accepted = self._try("step", self.opt.step)
-        drawn, self.drawn_since_step = self.drawn_since_step, 0
+        self.drawn_since_step = 0
         if not accepted:
             assert self.engine.accountant.steps == steps, self.trace
             assert self._at_released(), ("a refused step left other weights than the released ones", self.trace)
-            self.refused_honest += bool(honest)
+            self.refused_honest += bool(self.rows) and all(allowed.values())  # an honest step: a backward of rows
             return
         assert self.engine.accountant.steps == steps + 1, self.trace
-        assert drawn == 1, (f"accepted after {drawn} batches drawn", self.trace)
-        assert self.honest and at_released, ("accepted a step whose backwards were not honest", self.trace)
-        assert all(b == latest for b, _, _ in self.rows), ("accepted rows of an earlier batch", self.trace)
-        assert self._weights_allowed(), ("accepted rows weighing more than the multiplicity allows", self.trace)
+        for why, holds in allowed.items():
+            assert holds, (why, self.trace)
         weights = self._per_row()
         with torch.no_grad():
             for p, r in zip(self.reference.parameters(), self.released):
