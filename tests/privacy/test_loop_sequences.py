@@ -4,15 +4,17 @@ The step guard's tests (``test_step_guard.py``) each try one slip; a slip can al
 step, a save and a load, a kept output).  Hypothesis draws sequences of what a user's loop can do with the
 objects ``make_private`` returns: draw batches, backpropagate all, part or pieces of the latest one (honestly, or
 scaled, mean-reduced, as stacked copies averaged or summed, with a repeated row, with a row or the whole of an
-earlier batch), keep an output for later, clear or edit gradients, edit weights, save and load the optimizer's and
-the model's state, switch modes, step; without augmentation multiplicity and with ``K = 2``.
+earlier batch), keep an output for later, clear or edit gradients, edit weights, edit the inner optimizer's momentum,
+save and load the optimizer's and the model's state, switch modes, step; without augmentation multiplicity and with
+``K = 2``.
 The oracle follows what each action did, with the noise made negligible:
 
 - an **accepted** step accounts exactly one step, follows exactly one new batch, and releases
   ``sum_i w_i g_i / b`` where ``g_i`` are autograd's per-example gradients of that batch's rows at the weights the
   last step released (``w_i`` the loss weight of row ``i``: at most ``1/K`` for each row, at most 1 and ``K``
-  rows for each example) and nothing else: no earlier batch, no weight edited by hand, no stale forward;
-- a **refused** step accounts nothing and leaves the model as the last step released it.
+  rows for each example) and nothing else: no earlier batch, no weight edited by hand, no stale forward; the inner
+  optimizer's step starts from the momentum the accepted steps left (or a resume loaded), none edited by hand;
+- a **refused** step accounts nothing and leaves the model and the momentum as the last step released them.
 
 A step the oracle calls honest must also be accepted: a refusal is not a release, but a guard that refuses honest
 loops is of no use.  Random runs of this machine (about 1700 sequences) found that a resume took whatever the model
@@ -37,6 +39,7 @@ from helpers import per_example_grads
 
 SHAPE = (6,)
 EXPECTED_BATCH = 16.0
+MOMENTUM = 0.5
 
 
 class Loop(RuleBasedStateMachine):
@@ -55,15 +58,18 @@ class Loop(RuleBasedStateMachine):
         self.engine = cl.PrivacyEngine("rdp")
         # fixed generators: hypothesis replays a sequence, so its batches must be the same each time
         self.model, self.opt, self.loader = self.engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=self.data, loss=self.loss,
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM), data=self.data,
+            loss=self.loss,
             noise_multiplier=1e-12, input_shape=SHAPE, batch_size=EXPECTED_BATCH, input_bound=1.0,
             sampling_generator=torch.Generator().manual_seed(2), noise_generator=torch.Generator().manual_seed(3),
             augmentation_multiplicity=self.K)
         self.reference = copy.deepcopy(self.model)  # an ordinary model: a deep copy is not guarded
         self.released = self._weights()
-        self.given = []  # the gradients the inner optimizer is given at each accepted step
+        self.given = []  # the gradients the inner optimizer is given at each accepted step, and its momentum then
         self.opt.original_optimizer.register_step_pre_hook(lambda *_: self.given.append(
-            [None if p.grad is None else p.grad.detach().clone() for p in self.model.parameters()]))
+            ([None if p.grad is None else p.grad.detach().clone() for p in self.model.parameters()], self._momentum())))
+        self.momentum = self._momentum()  # as the accepted steps left it (or a resume loaded it)
+        self.momentum_edited = False        # changed by hand since the last step
         self.iterator = iter(self.loader)
         self.batches = []           # every batch drawn, in order
         self.drawn_since_step = 0   # batches drawn since the last step (a refused step spends them too)
@@ -78,6 +84,15 @@ class Loop(RuleBasedStateMachine):
 
     def _weights(self):
         return [p.detach().clone() for p in self.model.parameters()]
+
+    def _momentum(self):
+        state = self.opt.original_optimizer.state
+        return [None if state.get(p, {}).get("momentum_buffer") is None else state[p]["momentum_buffer"].clone()
+                for p in self.model.parameters()]
+
+    def _at_momentum(self):
+        return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                   for a, b in zip(self._momentum(), self.momentum))
 
     def _at_released(self):
         return all(torch.equal(a, b) for a, b in zip(self._weights(), self.released))
@@ -261,22 +276,48 @@ class Loop(RuleBasedStateMachine):
             self.model[0].weight.mul_(factor)
         self.trace.append(f"edit_weight(x{factor})")
 
+    @precondition(lambda self: any(m is not None for m in self.momentum))
+    @rule(how=st.sampled_from(["add", "data", "numpy", "inner_load", "replace", "unchanged"]))
+    def edit_momentum(self, how):
+        """A momentum buffer changed outside the step (``unchanged``: written with its own values)."""
+        inner = self.opt.original_optimizer
+        p = next(p for p, m in zip(self.model.parameters(), self.momentum) if m is not None)
+        buffer = inner.state[p]["momentum_buffer"]
+        if how == "add":
+            buffer.add_(0.01)
+        elif how == "data":
+            buffer.data = buffer.data * 2.0
+        elif how == "numpy":
+            buffer.numpy()[..., 0] -= 0.01
+        elif how == "inner_load":
+            state = copy.deepcopy(inner.state_dict())
+            for entry in state["state"].values():
+                entry["momentum_buffer"] = entry["momentum_buffer"] + 0.01
+            inner.load_state_dict(state)
+        elif how == "replace":
+            inner.state = {q: {"momentum_buffer": torch.zeros_like(q)} for q in self.model.parameters()}
+        else:
+            buffer.copy_(buffer.clone())
+        self.momentum_edited = self.momentum_edited or not self._at_momentum()
+        self.trace.append(f"edit_momentum({how})")
+
     @rule()
     def save(self):
-        self.saved = (copy.deepcopy(self.opt.state_dict()), copy.deepcopy(self.model.state_dict()))
+        self.saved = (copy.deepcopy(self.opt.state_dict()), copy.deepcopy(self.model.state_dict()), self.momentum)
         self.trace.append("save")
 
     @precondition(lambda self: self.saved is not None)
     @rule(which=st.sampled_from(["optimizer", "model", "model then optimizer"]))
     def load(self, which):
-        optimizer_state, model_state = self.saved
+        optimizer_state, model_state, momentum = self.saved
 
         def run():
             if which != "optimizer":
                 self.model.load_state_dict(model_state)
             if which != "model":
                 self.opt.load_state_dict(optimizer_state)
-        self._try(f"load {which}", run)
+        if self._try(f"load {which}", run) and which != "model":
+            self.momentum = momentum
 
     @rule(train=st.booleans())
     def mode(self, train):
@@ -331,12 +372,14 @@ class Loop(RuleBasedStateMachine):
         allowed = {f"accepted after {self.drawn_since_step} batches drawn": self.drawn_since_step == 1,
                    "accepted a step whose backwards were not honest": self.honest and self._at_released(),
                    "accepted rows of an earlier batch": all(b == latest for b, _, _ in self.rows),
-                   "accepted rows weighing more than the multiplicity allows": self._weights_allowed()}
+                   "accepted rows weighing more than the multiplicity allows": self._weights_allowed(),
+                   "accepted a momentum edited by hand": not self.momentum_edited}
         accepted = self._try("step", self.opt.step)
-        self.drawn_since_step = 0
+        self.drawn_since_step, self.momentum_edited = 0, False
         if not accepted:
             assert self.engine.accountant.steps == steps, self.trace
             assert self._at_released(), ("a refused step left other weights than the released ones", self.trace)
+            assert self._at_momentum(), ("a refused step left another momentum than the released one", self.trace)
             self.refused_honest += bool(self.rows) and all(allowed.values())  # an honest step: a backward of rows
             return
         assert self.engine.accountant.steps == steps + 1, self.trace
@@ -353,9 +396,17 @@ class Loop(RuleBasedStateMachine):
             bx, by = self.batches[latest]
             grads = per_example_grads(self.reference, self.loss, bx[rows], by[rows])
             expected = [(g * w.view(-1, *[1] * (g.dim() - 1))).sum(0) for g in grads]
-        for e, g in zip(expected, self.given[-1]):
+        given, momentum = self.given[-1]
+        for e, g in zip(expected, given):
             g = torch.zeros_like(e) if g is None else g
             assert torch.allclose(g, e / EXPECTED_BATCH, atol=1e-6), ("released another gradient", self.trace)
+        assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                   for a, b in zip(momentum, self.momentum)), ("the inner step built on another momentum", self.trace)
+        # SGD's momentum: m <- MOMENTUM m + g (m <- g at the first step), for each parameter with a gradient
+        self.momentum = [m if g is None else g.clone() if m is None else MOMENTUM * m + g
+                         for m, g in zip(self.momentum, given)]
+        assert all(b is None or torch.allclose(a, b, atol=1e-7) for a, b in zip(self._momentum(), self.momentum))
+        self.momentum = self._momentum()  # the oracle's values, to the last bit
         self.released = self._weights()
         self.rows, self.honest = [], True
         self.accepted += 1

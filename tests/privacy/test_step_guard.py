@@ -1478,6 +1478,70 @@ def test_weights_changed_between_steps_are_refused_and_put_back(how):
     assert engine.accountant.steps == 2
 
 
+@pytest.mark.parametrize("how", ["by_hand", "data", "numpy", "inner_load_state_dict", "replaced_mapping"])
+def test_the_inner_optimizers_state_changed_between_steps_is_refused_and_put_back(how):
+    """The momentum or moments changed outside the private step (a batch's gradient without noise added by hand,
+    through ``.data`` or a NumPy view, or the state of an optimizer that stepped without noise loaded into the inner
+    one): every later released step applied it, the weights untouched so no check saw it.  Refused now, the state
+    as the last step left it put back, and the loop goes on."""
+    inner = torch.optim.Adam if how in ("data", "inner_load_state_dict") else functools.partial(torch.optim.SGD,
+                                                                                                 momentum=0.9)
+    model, opt, loss, engine, x, y = _setup(optimizer_cls=inner)
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    key = "exp_avg" if isinstance(opt.original_optimizer, torch.optim.Adam) else "momentum_buffer"
+    left = {id(p): opt.state[p][key].clone() for p in model.parameters()}
+    released = [p.detach().clone() for p in model.parameters()]
+    loss.per_example(model(x), y).sum().backward()
+    raw = {id(p): p.grad.clone() for p in model.parameters()}  # the batch's gradient, no noise
+    opt.zero_grad()
+    first = next(model.parameters())
+    if how == "by_hand":
+        opt.state[first][key].add_(raw[id(first)])
+    elif how == "data":
+        opt.state[first][key].data = opt.state[first][key].data + raw[id(first)]
+    elif how == "numpy":
+        opt.state[first][key].numpy()[...] += raw[id(first)].numpy()
+    else:
+        twin = copy.deepcopy(model)  # an ordinary model: an optimizer of its own may step it
+        plain = inner(twin.parameters(), lr=0.0)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            q.grad = raw[id(p)]
+        plain.step()
+        if how == "inner_load_state_dict":
+            opt.original_optimizer.load_state_dict(plain.state_dict())
+        else:
+            opt.original_optimizer.state = {p: plain.state[q] for p, q in zip(model.parameters(), twin.parameters())}
+    loss.per_example(model(x), y).sum().backward()
+    message = _refused(opt, engine, r"changed outside the private step since its last release", released)
+    assert "momentum or moments of 0.weight" in message and engine.accountant.steps == 1
+    assert all(torch.equal(opt.state[p][key], left[id(p)]) for p in model.parameters())
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == 2
+
+
+def test_the_inner_optimizers_own_steps_and_a_schedule_are_accepted():
+    """What may change between steps without a refusal: the learning rate (a schedule: post-processing), and the
+    state each private step leaves, over several steps and through a resume of the private optimizer."""
+    model, opt, loss, engine, x, y = _setup(optimizer_cls=torch.optim.Adam)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        loss.per_example(model(x), y).sum().backward()
+        opt.step()
+        schedule.step()
+    assert engine.accountant.steps == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.1 / 8)
+    saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    model2, opt2, loss2, engine2, _, _ = _setup(optimizer_cls=torch.optim.Adam)
+    model2.load_state_dict(weights)
+    opt2.load_state_dict(saved)
+    loss2.per_example(model2(x), y).sum().backward()
+    opt2.step()
+    assert engine2.accountant.steps == 4
+
+
 def test_a_refused_step_leaves_the_released_weights_whichever_check_refuses_it():
     """A hand update from one batch's gradient, then a step refused for another slip (two batches drawn): the
     refusal named the slip, and the updated weights stayed in the model, where the next save would release them.

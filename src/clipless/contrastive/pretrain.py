@@ -8,7 +8,6 @@ test embeddings and a linear head trained on frozen embeddings.
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,8 +24,8 @@ from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_acco
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
 from ..privacy.certified import whole_number
 from ..privacy.noise import add_gaussian_noise_, check_secure_flag
-from ..privacy.optimizer import (changed_state, check_fresh_optimizer, put_back_changes_, restore_state_,
-                                 snapshot_state)
+from ..privacy.optimizer import (changed_state, check_fresh_optimizer, put_back_changes_, put_back_optimizer_state_,
+                                 restore_state_, snapshot_optimizer_state, snapshot_state)
 from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
@@ -85,11 +84,6 @@ def build_encoder(kind: str, input_shape, embedding_dim: int, hidden=(256,), cha
     return nn.Sequential(*stem, *body) if stem else body
 
 
-
-def _optimizer_tensors(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    """An optimizer ``state_dict``'s per-parameter state (moments, step counts) as named tensors."""
-    return {f"{index}.{key}": torch.as_tensor(value) for index, entry in state["state"].items()
-            for key, value in entry.items()}
 
 @dataclass
 class PretrainResult:
@@ -340,8 +334,8 @@ class ContrastivePretrainer(DeclaredConstants):
             raise ValueError("the optimizer steps none of the encoder's trainable parameters: the pre-training would "
                              "spend its privacy budget and leave the encoder as it is")
 
-    def _snapshot_optimizer(self) -> Optional[Dict[str, Any]]:
-        return None if self.accountant is None else copy.deepcopy(self.optimizer.state_dict())
+    def _snapshot_optimizer(self) -> Optional[Dict[int, Tuple[Any, Dict[str, Any]]]]:
+        return None if self.accountant is None else snapshot_optimizer_state(self.optimizer)
 
     def _check_released(self) -> None:
         """The encoder as given or as the last private step released it.  A change since (a step of the optimizer
@@ -349,9 +343,7 @@ class ContrastivePretrainer(DeclaredConstants):
         from without noise, and the encoder would release it: refused, and the released state put back.  So is a
         change of the optimizer's state (an outside step's moments would move every later released step)."""
         saved = self._released_optimizer
-        if saved is not None and changed_state(_optimizer_tensors(self.optimizer.state_dict()),
-                                               _optimizer_tensors(saved)):
-            self.optimizer.load_state_dict(copy.deepcopy(saved))  # a copy: the live state must not alias the snapshot
+        if saved is not None and put_back_optimizer_state_(self.optimizer, saved):
             put_back_changes_(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
             raise ValueError("the optimizer's state changed outside the private pre-training since its last release "
                              "(a step of the pre-trainer's optimizer outside fit(), or its load_state_dict): its "

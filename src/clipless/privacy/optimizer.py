@@ -12,12 +12,15 @@ be the gradient of the **sum** of per-example losses of one Poisson batch
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import inspect
 import weakref
+from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .accounting import PrivacyAccountant, bind_accountant, check_nothing_released
@@ -32,7 +35,7 @@ from .randomness import resume_generator, saved_generator_state, secret_generato
 from .sampling import PoissonDataLoader
 
 __all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_", "put_back_changes_", "state_digests",
-           "check_fresh_optimizer"]
+           "check_fresh_optimizer", "snapshot_optimizer_state", "put_back_optimizer_state_"]
 
 
 # The private optimizer that steps each model now: a later make_private of the model retires the earlier one.
@@ -69,6 +72,67 @@ def check_fresh_optimizer(optimizer: torch.optim.Optimizer, given_to: str, resum
         raise ValueError(f"the {type(optimizer).__name__} given to {given_to} holds state from earlier steps "
                          f"(momentum or moments of {held} parameter(s)): made from gradients without noise, it "
                          f"would move every released step; give it a fresh optimizer (a resume: {resume})")
+
+
+def _copied(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+_SAME_SIZE_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bits in every element (so a NaN equals the NaN it was copied from, and -0.0 differs from 0.0):
+    compared as integers of the element's size, by NumPy on the CPU (about three times faster than torch.equal)."""
+    a, b = a.detach(), b.detach()
+    integer = _SAME_SIZE_INTEGERS.get(a.element_size())
+    if integer is None or a.is_complex() or a.is_conj() or b.is_conj() or a.is_neg() or b.is_neg():
+        return torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all()))
+    a, b = a.view(integer), b.view(integer)
+    if a.device.type == "cpu":
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return torch.equal(a, b)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of one kind: tensors of one dtype, device and shape with the same bits in every element;
+    lists, tuples and dicts of such; other values by ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and (a.dtype, a.device, a.shape) == (b.dtype, b.device, b.shape) and _identical(a, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # a value without a truth value of its equality: taken as changed
+        return False
+
+
+def snapshot_optimizer_state(optimizer: torch.optim.Optimizer) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
+    """Copies of an optimizer's per-parameter state (momentum, moments, step counts) by the parameter's identity,
+    to tell later whether anything but a private step changed it: the released steps apply that state."""
+    return {id(p): (p, {key: _copied(value) for key, value in entry.items()})
+            for p, entry in optimizer.state.items() if entry}
+
+
+def put_back_optimizer_state_(optimizer: torch.optim.Optimizer,
+                              saved: Dict[int, Tuple[Any, Dict[str, Any]]]) -> List[Any]:
+    """The parameters whose optimizer state differs from the snapshot (:func:`snapshot_optimizer_state`; an entry
+    added, removed or with a key or value changed), after which the snapshot's state is put back (as copies: the
+    snapshot stays the reference).  The learning rates and other group settings are not state: a schedule may
+    change them."""
+    current = {id(p): (p, entry) for p, entry in optimizer.state.items() if entry}
+    changed = [(current.get(key) or saved[key])[0] for key in set(current) | set(saved)
+               if key not in current or key not in saved or not _same(current[key][1], saved[key][1])]
+    if changed:
+        # a new mapping: the old one may have been replaced by one without the default entry torch's steps expect
+        optimizer.state = defaultdict(dict, {p: {k: _copied(v) for k, v in entry.items()}
+                                             for p, entry in saved.values()})
+    return changed
 
 
 def state_digests(tensors: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -192,6 +256,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         bound_engine.model.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
         self._released_state = self._snapshot_released()  # only a private step may change it
+        self._released_inner = snapshot_optimizer_state(optimizer)  # nor the inner optimizer's state
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
@@ -445,9 +510,20 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         that state back.  A weight changed outside the step (``p -= lr * p.grad`` by hand, an assignment to
         ``.data``, ``load_state_dict`` after the optimizer's) holds a batch's gradient without noise; a buffer or
         frozen parameter that a forward updates (a running statistic) holds the batch itself; the model's
-        ``state_dict`` would release either.  Every step checks this; call it before saving the model."""
+        ``state_dict`` would release either.  So would every later step the inner optimizer's state (momentum,
+        moments) changed outside the step.  Every step checks this; call it before saving the model."""
         current = _model_state(self.bound_engine.model)
         changed = put_back_changes_(current, self._released_state)
+        inner = put_back_optimizer_state_(self.original_optimizer, self._released_inner)
+        if inner:
+            names = {id(p): name for name, p in self.bound_engine.model.named_parameters()}
+            held = sorted(names.get(id(p), "a tensor outside the model") for p in inner)
+            raise BoundError(f"the state of the {type(self.original_optimizer).__name__} inside the private optimizer "
+                             f"(momentum or moments of {', '.join(held[:4])}) changed outside the private step since "
+                             "its last release: written by hand or loaded with original_optimizer.load_state_dict, it "
+                             "could hold a gradient without noise, which every later step would apply; it was put "
+                             "back" + (" with the model" if changed else "") + ". Only the private step may change "
+                             "it (a resume: the private optimizer's load_state_dict)")
         if not changed:
             return
         weights = [name for name in changed if name in current and id(current[name]) in self._bounded]
@@ -522,8 +598,10 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             with unwatched(params):
                 self._release(params, report)
         except BaseException:
-            # refused (or failed while releasing): nothing of the batch stays in the model, whichever check spoke
+            # refused (or failed while releasing): nothing of the batch stays in the model or the inner optimizer's
+            # state, whichever check spoke
             restore_state_(_model_state(self.bound_engine.model), self._released_state)
+            put_back_optimizer_state_(self.original_optimizer, self._released_inner)
             raise
         finally:  # released or refused, the batches drawn so far are spent: the next step needs a new one
             if self._batches is not None:
@@ -569,6 +647,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         # moments), which later released steps apply even if what follows here fails and the model is put back.
         self.plan.account_step(self.accountant)
         self.original_optimizer.step()
+        self._released_inner = snapshot_optimizer_state(self.original_optimizer)  # what later steps may build on
         self.bound_engine.project_()
         passes = self.guard.released_backward_passes() if self.step_mechanisms else ()
         for clip in self.step_mechanisms:  # after the step: its noise used the C of this batch's backward
@@ -630,6 +709,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             check_nothing_released(self.accountant.steps, "this optimizer's accountant")
         self._check_resumed_model(state.get("released_state"))
         self.original_optimizer.load_state_dict(state["optimizer"])
+        self._released_inner = snapshot_optimizer_state(self.original_optimizer)
         resume_generator(self.generator, state["noise_generator"])
         if saved is not None and self.accountant.steps == 0:
             self.accountant.load_state_dict(saved)
