@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import pickle
 import warnings
 
@@ -1478,14 +1479,16 @@ def test_weights_changed_between_steps_are_refused_and_put_back(how):
     assert engine.accountant.steps == 2
 
 
-@pytest.mark.parametrize("how", ["by_hand", "data", "numpy", "inner_load_state_dict", "replaced_mapping"])
+@pytest.mark.parametrize("how", ["by_hand", "data", "numpy", "inner_load_state_dict", "replaced_mapping",
+                                 "unhooked_inner_step"])
 def test_the_inner_optimizers_state_changed_between_steps_is_refused_and_put_back(how):
     """The momentum or moments changed outside the private step (a batch's gradient without noise added by hand,
     through ``.data`` or a NumPy view, or the state of an optimizer that stepped without noise loaded into the inner
     one): every later released step applied it, the weights untouched so no check saw it.  Refused now, the state
-    as the last step left it put back, and the loop goes on."""
-    inner = torch.optim.Adam if how in ("data", "inner_load_state_dict") else functools.partial(torch.optim.SGD,
-                                                                                                 momentum=0.9)
+    as the last step left it put back, and the loop goes on.  With torch's optimizer hooks cleared, the inner
+    optimizer stepped the batch's gradient itself: the weights were put back, its moments kept the gradient."""
+    inner = torch.optim.Adam if how in ("data", "inner_load_state_dict", "unhooked_inner_step") else functools.partial(
+        torch.optim.SGD, momentum=0.9)
     model, opt, loss, engine, x, y = _setup(optimizer_cls=inner)
     loss.per_example(model(x), y).sum().backward()
     opt.step()
@@ -1502,6 +1505,17 @@ def test_the_inner_optimizers_state_changed_between_steps_is_refused_and_put_bac
         opt.state[first][key].data = opt.state[first][key].data + raw[id(first)]
     elif how == "numpy":
         opt.state[first][key].numpy()[...] += raw[id(first)].numpy()
+    elif how == "unhooked_inner_step":
+        hooks = importlib.import_module("torch.optim.optimizer")._global_optimizer_pre_hooks
+        kept = dict(hooks)
+        hooks.clear()  # the hook that refuses a step of the model's parameters outside the private optimizer
+        try:
+            for p in model.parameters():
+                p.grad = raw[id(p)]
+            opt.original_optimizer.step()
+        finally:
+            hooks.update(kept)
+        opt.zero_grad()
     else:
         twin = copy.deepcopy(model)  # an ordinary model: an optimizer of its own may step it
         plain = inner(twin.parameters(), lr=0.0)
