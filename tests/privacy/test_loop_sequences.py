@@ -5,21 +5,24 @@ step, a save and a load, a kept output).  Hypothesis draws sequences of what a u
 objects ``make_private`` returns: draw batches, backpropagate all, part or pieces of the latest one (honestly, or
 scaled, mean-reduced, as stacked copies averaged or summed, with a repeated row, with a row or the whole of an
 earlier batch), keep an output for later, clear or edit gradients, edit weights, edit the inner optimizer's momentum,
-save and load the optimizer's and the model's state, switch modes, step; without augmentation multiplicity and with
-``K = 2``.
+save and load the optimizer's and the model's state (into the same objects, or into new ones from ``make_private``
+as a new process would), switch modes, step; without augmentation multiplicity and with ``K = 2``.
 The oracle follows what each action did, with the noise made negligible:
 
 - an **accepted** step accounts exactly one step, follows exactly one new batch, and releases
   ``sum_i w_i g_i / b`` where ``g_i`` are autograd's per-example gradients of that batch's rows at the weights the
-  last step released (``w_i`` the loss weight of row ``i``: at most ``1/K`` for each row, at most 1 and ``K``
-  rows for each example) and nothing else: no earlier batch, no weight edited by hand, no stale forward; the inner
-  optimizer's step starts from the momentum the accepted steps left (or a resume loaded), none edited by hand;
+  last step released (``w_i`` the loss weight of row ``i``: at most ``1/K`` in absolute value for each row, at
+  most 1 and ``K`` rows for each example) and nothing else: no earlier batch, no weight edited by hand, no stale forward; the inner
+  optimizer's step starts from the momentum the accepted steps left (or a resume loaded), none edited by hand; a
+  resume goes on composing the saved steps;
 - a **refused** step accounts nothing and leaves the model and the momentum as the last step released them.
 
 A step the oracle calls honest must also be accepted: a refusal is not a release, but a guard that refuses honest
 loops is of no use.  Random runs of this machine (about 1700 sequences) found that a resume took whatever the model
 held as released (``test_step_guard.py::test_a_resume_takes_only_the_model_its_state_released``).  Its path (a
 load before the first release) is rare in the fixed draw below, which the steps of the common path dominate.
+A resume into new objects, after checkpoints the common path now saves, is not: removing the inner optimizer's
+snapshot at ``load_state_dict`` fails the fixed draw.
 """
 
 from __future__ import annotations
@@ -49,12 +52,21 @@ class Loop(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(96, *SHAPE, generator=gen)
         self.data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (96,), generator=gen))
-        model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
         self.loss = cl.TauCrossEntropy(2.0)
+        self.batches = []  # every batch drawn, in order (a resumed run's after the earlier run's)
+        self.saved = None
+        self.accepted = self.refused_honest = 0
+        self.trace = []
+        self._start()
+
+    def _start(self):
+        """A run's objects from ``make_private`` (the same initial weights each time), and what the oracle knows of
+        them: nothing released yet."""
+        torch.manual_seed(0)
+        model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
         self.engine = cl.PrivacyEngine("rdp")
         # fixed generators: hypothesis replays a sequence, so its batches must be the same each time
         self.model, self.opt, self.loader = self.engine.make_private(
@@ -71,14 +83,10 @@ class Loop(RuleBasedStateMachine):
         self.momentum = self._momentum()  # as the accepted steps left it (or a resume loaded it)
         self.momentum_edited = False        # changed by hand since the last step
         self.iterator = iter(self.loader)
-        self.batches = []           # every batch drawn, in order
         self.drawn_since_step = 0   # batches drawn since the last step (a refused step spends them too)
         self.rows = []              # (batch index, row, loss weight) of every backward since the gradients were clear
         self.honest = True          # and each of those backwards was honest
         self.kept = None            # an output kept for a later backward: (value, batch index, steps, at released)
-        self.saved = None
-        self.accepted = self.refused_honest = 0
-        self.trace = []
 
     # what the oracle knows
 
@@ -104,12 +112,14 @@ class Loop(RuleBasedStateMachine):
         return weights
 
     def _weights_allowed(self):
-        """Each row weighs at most 1/K, each example at most 1 in at most K rows (the guard cannot tell an
-        example's K rows apart, so a row weighing 1 is refused when K > 1)."""
-        copies = {}
-        for _, i, _ in self.rows:
+        """Each row weighs at most 1/K in absolute value, each example at most 1 in at most K rows (the guard cannot
+        tell an example's K rows apart, so a row weighing 1 is refused when K > 1).  A negative weight (gradient
+        ascent) is within the bound: ``||-g_i|| = ||g_i||``."""
+        copies, total = {}, {}
+        for _, i, w in self.rows:
             copies[i] = copies.get(i, 0) + 1
-        return (all(w <= 1 / self.K for _, _, w in self.rows) and all(w <= 1 for w in self._per_row().values())
+            total[i] = total.get(i, 0.0) + abs(w)
+        return (all(abs(w) <= 1 / self.K for _, _, w in self.rows) and all(t <= 1 for t in total.values())
                 and all(c <= self.K for c in copies.values()))
 
     def _grads(self):
@@ -148,7 +158,7 @@ class Loop(RuleBasedStateMachine):
     def _took(self, index, rows, weight=1.0):
         """Rows of batch ``index`` backpropagated with loss weight ``weight``: honest at the released weights."""
         self.rows += [(index, int(i), weight) for i in rows]
-        self.honest = self.honest and weight >= 0 and self._at_released()
+        self.honest = self.honest and self._at_released()
 
     # the loop's actions
 
@@ -303,35 +313,54 @@ class Loop(RuleBasedStateMachine):
 
     @rule()
     def save(self):
-        self.saved = (copy.deepcopy(self.opt.state_dict()), copy.deepcopy(self.model.state_dict()), self.momentum)
+        self.saved = (copy.deepcopy(self.opt.state_dict()), copy.deepcopy(self.model.state_dict()), self.momentum,
+                      self.engine.accountant.steps)
         self.trace.append("save")
 
     @precondition(lambda self: self.saved is not None)
     @rule(which=st.sampled_from(["optimizer", "model", "model then optimizer"]))
     def load(self, which):
-        optimizer_state, model_state, momentum = self.saved
+        self._load(which)
 
-        def run():
-            if which != "optimizer":
-                self.model.load_state_dict(model_state)
-            if which != "model":
-                self.opt.load_state_dict(optimizer_state)
-        if self._try(f"load {which}", run) and which != "model":
-            self.momentum = momentum
+    def _load(self, which):
+        optimizer_state, model_state, momentum, steps = self.saved
+        if which != "optimizer":
+            self._try("load model", lambda: self.model.load_state_dict(model_state))
+        if which != "model" and self._try("load optimizer", lambda: self.opt.load_state_dict(optimizer_state)):
+            # the optimizer took the model as it holds it as released (its digests matched), with the saved momentum
+            # and the steps that made them
+            self.released, self.momentum = self._weights(), momentum
+            assert self.engine.accountant.steps == steps, ("a resume did not go on composing its steps", self.trace)
+
+    @precondition(lambda self: self.saved is not None)
+    @rule(which=st.sampled_from(["model then optimizer", "optimizer then model", "model"]))
+    def resume_fresh(self, which):
+        """A resume in a new process: new objects from make_private, then the saved states loaded into them (in
+        the right order, the wrong one, or the model's alone: a new run from a trained model)."""
+        self.trace.append(f"resume_fresh({which})")
+        self._start()
+        if which == "optimizer then model":
+            self._load("optimizer")
+            self._load("model")
+        else:
+            self._load(which)
 
     @rule(train=st.booleans())
     def mode(self, train):
         self.model.train(train)
         self.trace.append(f"train({train})")
 
-    @rule(split=st.integers(0, 3), clear=st.booleans())
-    def loop_body(self, split, clear):
-        """The README loop's body in two pieces: the common path the other actions interleave with."""
+    @rule(split=st.integers(0, 3), clear=st.booleans(), checkpoint=st.booleans())
+    def loop_body(self, split, clear, checkpoint=False):
+        """The README loop's body in two pieces: the common path the other actions interleave with (then a
+        checkpoint, so that resumes start from released steps and their momentum)."""
         if clear:
             self.zero_grad(True)
         self.draw()
         self._honest_backward(split)
         self.step()
+        if checkpoint:
+            self.save()
 
     def _honest_backward(self, split):
         """The latest batch in two pieces (the first ``5 * split`` rows, then the rest), or as K copies averaged."""
