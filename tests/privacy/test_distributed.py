@@ -156,14 +156,27 @@ def _scenario(rank: int, size: int, scenario: str, out: str) -> dict:
             result["refused"] = ""
         except ValueError as err:
             result["refused"] = str(err)
-    elif scenario == "one-rank-slip":
+    elif scenario in ("one-rank-slip", "one-rank-momentum"):
         model = _model()
-        ddp, opt, loader = _private(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+        ddp, opt, loader = _private(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, y)
         loss = cl.TauCrossEntropy(4.0)
         batches = iter(loader)
+
+        def momentum():
+            return [opt.state[p]["momentum_buffer"].clone() for p in model.parameters() if p in opt.state]
+
+        if scenario == "one-rank-momentum":  # a released step, then rank 1 writes into its own momentum
+            xb, yb = next(batches)
+            opt.zero_grad()
+            loss.per_example(ddp(xb), yb).sum().backward()
+            opt.step()
+        released = momentum()
+        if scenario == "one-rank-momentum" and rank == 1:
+            with torch.no_grad():
+                opt.state[next(model.parameters())]["momentum_buffer"].add_(1.0)
         xb, yb = next(batches)
-        if rank == 1:  # a record added to this rank's part of the batch: its rows outnumber the batch drawn
-            xb, yb = torch.cat([xb, x[:1]]), torch.cat([yb, y[:1]])
+        if scenario == "one-rank-slip" and rank == 1:  # a record added to this rank's part of the batch: its rows
+            xb, yb = torch.cat([xb, x[:1]]), torch.cat([yb, y[:1]])  # outnumber the batch drawn
         before = [p.detach().clone() for p in model.parameters()]
         try:
             opt.zero_grad()
@@ -172,13 +185,14 @@ def _scenario(rank: int, size: int, scenario: str, out: str) -> dict:
             result["refused"] = ""
         except BoundError as err:
             result["refused"] = str(err)
-        result["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-        result["steps"] = opt.accountant.steps
+        result["unchanged"] = (all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+                               and all(torch.equal(a, b) for a, b in zip(released, momentum())))
+        result["steps"] = opt.accountant.steps - (scenario == "one-rank-momentum")
         xb, yb = next(batches)  # every rank goes on with the next batch
         opt.zero_grad()
         loss.per_example(ddp(xb), yb).sum().backward()
         opt.step()
-        result["steps_after"] = opt.accountant.steps
+        result["steps_after"] = opt.accountant.steps - (scenario == "one-rank-momentum")
     elif scenario == "other-shard-record":
         model = _model()
         ddp, opt, loader = cl.PrivacyEngine().make_private(
@@ -295,10 +309,13 @@ def test_adaptive_clip_count_is_summed_and_noised_once() -> None:
     assert norms[0] == norms[1] and results[0]["moved"]
 
 
-def test_a_step_refused_on_one_rank_is_refused_on_every_rank() -> None:
-    """Before, the other rank added its noise and waited in the all-reduce of the sum until the group timed out."""
-    results = _run("one-rank-slip")
-    assert "rows of the private model's output" in results[1]["refused"]
+@pytest.mark.parametrize("scenario, why", [("one-rank-slip", "rows of the private model's output"),
+                                           ("one-rank-momentum", "changed outside the private step")])
+def test_a_step_refused_on_one_rank_is_refused_on_every_rank(scenario, why) -> None:
+    """Before, the other rank added its noise and waited in the all-reduce of the sum until the group timed out.
+    Every rank keeps its released weights and momentum (rank 1's written momentum put back) and goes on."""
+    results = _run(scenario)
+    assert why in results[1]["refused"]
     assert "rank(s) [1] refused this step" in results[0]["refused"]
     assert all(r["unchanged"] and r["steps"] == 0 and r["steps_after"] == 1 for r in results)
 
