@@ -313,9 +313,19 @@ class Loop(RuleBasedStateMachine):
 
     @rule()
     def save(self):
-        self.saved = (copy.deepcopy(self.opt.state_dict()), copy.deepcopy(self.model.state_dict()), self.momentum,
-                      self.engine.accountant.steps)
-        self.trace.append("save")
+        """A checkpoint; refused (the momentum put back) where the momentum was edited by hand."""
+        edited, saved = self.momentum_edited, None
+
+        def run():
+            nonlocal saved
+            saved = (copy.deepcopy(self.opt.state_dict()), copy.deepcopy(self.model.state_dict()), self.momentum,
+                     self.engine.accountant.steps)
+        if self._try("save", run):
+            assert not edited, ("a checkpoint saved a momentum edited by hand", self.trace)
+            self.saved = saved
+        else:
+            assert edited and self._at_momentum(), ("a refused save without an edit, or not put back", self.trace)
+            self.momentum_edited = False
 
     @precondition(lambda self: self.saved is not None)
     @rule(which=st.sampled_from(["optimizer", "model", "model then optimizer"]))

@@ -1536,6 +1536,23 @@ def test_the_inner_optimizers_state_changed_between_steps_is_refused_and_put_bac
     assert engine.accountant.steps == 2
 
 
+def test_a_changed_inner_state_cannot_be_saved_for_a_resume():
+    """Momentum written by hand, then a checkpoint: the saved state held it, and a resume took the loaded state as
+    released, so the resumed run applied the written gradient at every step.  The save is refused now, the state
+    put back; saved again, the checkpoint holds what the last step left."""
+    model, opt, loss, engine, x, y = _setup(optimizer_cls=functools.partial(torch.optim.SGD, momentum=0.9))
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    first = next(model.parameters())
+    left = opt.state[first]["momentum_buffer"].clone()
+    opt.state[first]["momentum_buffer"].add_(1.0)
+    with pytest.raises(BoundError, match=r"momentum or moments of 0\.weight\) changed outside the private step"):
+        opt.state_dict()
+    assert torch.equal(opt.state[first]["momentum_buffer"], left)
+    saved = copy.deepcopy(opt.state_dict())
+    assert torch.equal(saved["optimizer"]["state"][0]["momentum_buffer"], left)
+
+
 def test_the_inner_optimizers_own_steps_and_a_schedule_are_accepted():
     """What may change between steps without a refusal: the learning rate (a schedule: post-processing), and the
     state each private step leaves, over several steps and through a resume of the private optimizer."""

@@ -500,16 +500,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         moments) changed outside the step.  Every step checks this; call it before saving the model."""
         current = _model_state(self.bound_engine.model)
         changed = put_back_changes_(current, self._released_state)
-        inner = put_back_optimizer_state_(self.original_optimizer, self._released_inner)
-        if inner:
-            names = {id(p): name for name, p in self.bound_engine.model.named_parameters()}
-            held = sorted(names.get(id(p), "a tensor outside the model") for p in inner)
-            raise BoundError(f"the state of the {type(self.original_optimizer).__name__} inside the private optimizer "
-                             f"(momentum or moments of {', '.join(held[:4])}) changed outside the private step since "
-                             "its last release: written by hand or loaded with original_optimizer.load_state_dict, it "
-                             "could hold a gradient without noise, which every later step would apply; it was put "
-                             "back" + (" with the model" if changed else "") + ". Only the private step may change "
-                             "it (a resume: the private optimizer's load_state_dict)")
+        self._check_inner_state(" with the model" if changed else "")
         if not changed:
             return
         weights = [name for name in changed if name in current and id(current[name]) in self._bounded]
@@ -525,6 +516,20 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                          "holds the batch without noise and would be released with the model; it was put back. Only "
                          "the private step may change the model: use layers without such state (on a resume, load "
                          "the model's state before the optimizer's)")
+
+    def _check_inner_state(self, also: str = "") -> None:
+        """Refuse the inner optimizer's state if it is not as the last step (or a resume) left it, and put that
+        state back (``also``: what else was put back)."""
+        inner = put_back_optimizer_state_(self.original_optimizer, self._released_inner)
+        if not inner:
+            return
+        names = {id(p): name for name, p in self.bound_engine.model.named_parameters()}
+        held = sorted(names.get(id(p), "a tensor outside the model") for p in inner)
+        raise BoundError(f"the state of the {type(self.original_optimizer).__name__} inside the private optimizer "
+                         f"(momentum or moments of {', '.join(held[:4])}) changed outside the private step since its "
+                         "last release: written by hand or loaded with original_optimizer.load_state_dict, it could "
+                         f"hold a gradient without noise, which every later step would apply; it was put back{also}. "
+                         "Only the private step may change it (a resume: the private optimizer's load_state_dict)")
 
     def restart_from_(self, state: Dict[str, torch.Tensor]) -> None:
         """Load ``state`` (a ``state_dict`` of the model) and take it as the released state: for a harness that
@@ -652,6 +657,9 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self.guard.finish_step(params, None if any(w is None for w in released) else released)  # type: ignore[arg-type]
 
     def state_dict(self) -> Dict[str, Any]:
+        """What a resume needs (:meth:`load_state_dict`); refused, and the inner state put back, where the inner
+        optimizer's state is not as the last step left it (a resume would take it as released)."""
+        self._check_inner_state()
         return {
             "optimizer": self.original_optimizer.state_dict(),
             "noise_generator": saved_generator_state(self.generator),
