@@ -115,9 +115,12 @@ def put_back_optimizer_state_(optimizer: torch.optim.Optimizer,
     changed = [(current.get(key) or saved[key])[0] for key in set(current) | set(saved)
                if key not in current or key not in saved or not _same(current[key][1], saved[key][1])]
     if changed:
-        # a new mapping: the old one may have been replaced by one without the default entry torch's steps expect
-        optimizer.state = defaultdict(dict, {p: {k: _copied(v) for k, v in entry.items()}
-                                             for p, entry in saved.values()})
+        restored = {p: {k: _copied(v) for k, v in entry.items()} for p, entry in saved.values()}
+        if type(optimizer.state) is defaultdict and optimizer.state.default_factory is dict:
+            optimizer.state.clear()  # in place: a reference to the mapping held elsewhere sees the put-back state
+            optimizer.state.update(restored)
+        else:  # replaced by a mapping without the default entry torch's steps expect
+            optimizer.state = defaultdict(dict, restored)
     return changed
 
 
