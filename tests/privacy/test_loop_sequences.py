@@ -12,9 +12,9 @@ The oracle follows what each action did, with the noise made negligible:
 - an **accepted** step accounts exactly one step, follows exactly one new batch, and releases
   ``sum_i w_i g_i / b`` where ``g_i`` are autograd's per-example gradients of that batch's rows at the weights the
   last step released (``w_i`` the loss weight of row ``i``: at most ``1/K`` in absolute value for each row, at
-  most 1 and ``K`` rows for each example) and nothing else: no earlier batch, no weight edited by hand, no stale forward; the inner
-  optimizer's step starts from the momentum the accepted steps left (or a resume loaded), none edited by hand; a
-  resume goes on composing the saved steps;
+  most 1 and ``K`` rows for each example) and nothing else: no earlier batch, no weight edited by hand, no stale
+  forward; the inner optimizer's step starts from the momentum the accepted steps left (or a resume loaded), none
+  edited by hand; a resume goes on composing the saved steps;
 - a **refused** step accounts nothing and leaves the model and the momentum as the last step released them.
 
 A step the oracle calls honest must also be accepted: a refusal is not a release, but a guard that refuses honest
@@ -71,8 +71,7 @@ class Loop(RuleBasedStateMachine):
         # fixed generators: hypothesis replays a sequence, so its batches must be the same each time
         self.model, self.opt, self.loader = self.engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM), data=self.data,
-            loss=self.loss,
-            noise_multiplier=1e-12, input_shape=SHAPE, batch_size=EXPECTED_BATCH, input_bound=1.0,
+            loss=self.loss, noise_multiplier=1e-12, input_shape=SHAPE, batch_size=EXPECTED_BATCH, input_bound=1.0,
             sampling_generator=torch.Generator().manual_seed(2), noise_generator=torch.Generator().manual_seed(3),
             augmentation_multiplicity=self.K)
         self.reference = copy.deepcopy(self.model)  # an ordinary model: a deep copy is not guarded
@@ -98,9 +97,13 @@ class Loop(RuleBasedStateMachine):
         return [None if state.get(p, {}).get("momentum_buffer") is None else state[p]["momentum_buffer"].clone()
                 for p in self.model.parameters()]
 
+    @staticmethod
+    def _same_momentum(a, b):
+        return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+                   for x, y in zip(a, b))
+
     def _at_momentum(self):
-        return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                   for a, b in zip(self._momentum(), self.momentum))
+        return self._same_momentum(self._momentum(), self.momentum)
 
     def _at_released(self):
         return all(torch.equal(a, b) for a, b in zip(self._weights(), self.released))
@@ -439,8 +442,7 @@ class Loop(RuleBasedStateMachine):
         for e, g in zip(expected, given):
             g = torch.zeros_like(e) if g is None else g
             assert torch.allclose(g, e / EXPECTED_BATCH, atol=1e-6), ("released another gradient", self.trace)
-        assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                   for a, b in zip(momentum, self.momentum)), ("the inner step built on another momentum", self.trace)
+        assert self._same_momentum(momentum, self.momentum), ("the inner step built on another momentum", self.trace)
         # SGD's momentum: m <- MOMENTUM m + g (m <- g at the first step), for each parameter with a gradient
         self.momentum = [m if g is None else g.clone() if m is None else MOMENTUM * m + g
                          for m, g in zip(self.momentum, given)]
