@@ -334,7 +334,7 @@ class ContrastivePretrainer(DeclaredConstants):
             raise ValueError("the optimizer steps none of the encoder's trainable parameters: the pre-training would "
                              "spend its privacy budget and leave the encoder as it is")
 
-    def _snapshot_optimizer(self) -> Optional[Dict[int, Tuple[Any, Dict[str, Any]]]]:
+    def _snapshot_optimizer(self) -> Optional[List[Tuple[Any, Dict[str, Any]]]]:
         return None if self.accountant is None else snapshot_optimizer_state(self.optimizer)
 
     def _check_released(self) -> None:

@@ -98,24 +98,24 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def snapshot_optimizer_state(optimizer: torch.optim.Optimizer) -> Dict[int, Tuple[Any, Dict[str, Any]]]:
-    """Copies of an optimizer's per-parameter state (momentum, moments, step counts) by the parameter's identity,
-    to tell later whether anything but a private step changed it: the released steps apply that state."""
-    return {id(p): (p, {key: _copied(value) for key, value in entry.items()})
-            for p, entry in optimizer.state.items() if entry}
+def snapshot_optimizer_state(optimizer: torch.optim.Optimizer) -> List[Tuple[Any, Dict[str, Any]]]:
+    """Copies of an optimizer's per-parameter state (momentum, moments, step counts), each with its parameter, to
+    tell later whether anything but a private step changed it: the released steps apply that state.  (Parameters
+    are matched by identity when compared, so a deep copy of the holder and its optimizer stays matched.)"""
+    return [(p, {key: _copied(value) for key, value in entry.items()}) for p, entry in optimizer.state.items() if entry]
 
 
-def put_back_optimizer_state_(optimizer: torch.optim.Optimizer,
-                              saved: Dict[int, Tuple[Any, Dict[str, Any]]]) -> List[Any]:
+def put_back_optimizer_state_(optimizer: torch.optim.Optimizer, saved: List[Tuple[Any, Dict[str, Any]]]) -> List[Any]:
     """The parameters whose optimizer state differs from the snapshot (:func:`snapshot_optimizer_state`; an entry
     added, removed or with a key or value changed), after which the snapshot's state is put back (as copies: the
     snapshot stays the reference).  The learning rates and other group settings are not state: a schedule may
     change them."""
     current = {id(p): (p, entry) for p, entry in optimizer.state.items() if entry}
-    changed = [(current.get(key) or saved[key])[0] for key in set(current) | set(saved)
-               if key not in current or key not in saved or not _same(current[key][1], saved[key][1])]
+    before = {id(p): (p, entry) for p, entry in saved}
+    changed = [(current.get(key) or before[key])[0] for key in set(current) | set(before)
+               if key not in current or key not in before or not _same(current[key][1], before[key][1])]
     if changed:
-        restored = {p: {k: _copied(v) for k, v in entry.items()} for p, entry in saved.values()}
+        restored = {p: {k: _copied(v) for k, v in entry.items()} for p, entry in saved}
         if type(optimizer.state) is defaultdict and optimizer.state.default_factory is dict:
             optimizer.state.clear()  # in place: a reference to the mapping held elsewhere sees the put-back state
             optimizer.state.update(restored)
