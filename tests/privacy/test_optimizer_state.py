@@ -97,3 +97,20 @@ def test_every_change_of_a_value_is_seen_and_put_back(name, steps, edit, which, 
     model(torch.randn(5, 4)).pow(2).sum().backward()
     optimizer.step()
     assert _equal({id(q): entry for q, entry in saved}, released)
+
+
+def test_an_optimizer_state_snapshot_follows_its_parameters_through_a_deep_copy():
+    """The snapshot names parameters by identity when compared: a deep copy of an optimizer with its snapshot (a
+    deep copy of the private optimizer or of the pre-trainer) is unchanged, and an edit of the copy is seen, put
+    back in the copy alone."""
+    layer = nn.Linear(3, 2)
+    inner = torch.optim.Adam(layer.parameters())
+    layer(torch.randn(4, 3)).sum().backward()
+    inner.step()
+    twin, twin_saved = copy.deepcopy((inner, snapshot_optimizer_state(inner)))
+    assert put_back_optimizer_state_(twin, twin_saved) == []
+    twin.state[twin.param_groups[0]["params"][0]]["exp_avg"].add_(1.0)
+    mine = inner.state[layer.weight]["exp_avg"].clone()
+    assert put_back_optimizer_state_(twin, twin_saved) == [twin.param_groups[0]["params"][0]]
+    assert torch.equal(twin.state[twin.param_groups[0]["params"][0]]["exp_avg"], mine)
+    assert torch.equal(inner.state[layer.weight]["exp_avg"], mine)

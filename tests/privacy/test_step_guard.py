@@ -1536,24 +1536,6 @@ def test_the_inner_optimizers_state_changed_between_steps_is_refused_and_put_bac
     assert engine.accountant.steps == 2
 
 
-def test_an_optimizer_state_snapshot_follows_its_parameters_through_a_deep_copy():
-    """The snapshot names parameters by identity when compared: a deep copy of an optimizer with its snapshot (a
-    deep copy of the private optimizer or of the pre-trainer) is unchanged, and an edit of the copy is seen, put
-    back in the copy alone."""
-    from clipless.privacy.optimizer import put_back_optimizer_state_, snapshot_optimizer_state
-    layer = nn.Linear(3, 2)
-    inner = torch.optim.Adam(layer.parameters())
-    layer(torch.randn(4, 3)).sum().backward()
-    inner.step()
-    twin, twin_saved = copy.deepcopy((inner, snapshot_optimizer_state(inner)))
-    assert put_back_optimizer_state_(twin, twin_saved) == []
-    twin.state[twin.param_groups[0]["params"][0]]["exp_avg"].add_(1.0)
-    mine = inner.state[layer.weight]["exp_avg"].clone()
-    assert put_back_optimizer_state_(twin, twin_saved) == [twin.param_groups[0]["params"][0]]
-    assert torch.equal(twin.state[twin.param_groups[0]["params"][0]]["exp_avg"], mine)
-    assert torch.equal(inner.state[layer.weight]["exp_avg"], mine)
-
-
 def test_a_changed_inner_state_cannot_be_saved_for_a_resume():
     """Momentum written by hand, then a checkpoint: the saved state held it, and a resume took the loaded state as
     released, so the resumed run applied the written gradient at every step.  The save is refused now, the state
