@@ -81,6 +81,11 @@ def _train(out, *extra):
     (["--augment-flip", "--method", "dpsgd"], "--augment-flip is an option of clipless training"),
     (["--max-grad-norm", "0.5"], "--max-grad-norm is the clipping norm of --method dpsgd, not of --method clipless"),
     (["--secure-noise", "--method", "nonprivate"], "--secure-noise draws the noise of a private run"),
+    # an activation name was only read where a layer took one: a linear head ran with any name
+    (["--activation", "foo"], "--activation: unknown activation 'foo': maxmin, or groupsortK with K >= 2"),
+    (["--activation", "groupsort1"], "--activation: unknown activation 'groupsort1'"),
+    (["--activation", "groupsort3.0", "--hidden", "12"], "--activation: unknown activation 'groupsort3.0'"),
+    (["--activation", "groupsort4"], "--activation groupsort4: the mlp has no hidden layer"),
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"

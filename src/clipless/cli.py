@@ -14,7 +14,7 @@ import torch
 
 from .contrastive.evaluation import LAYERS
 from .contrastive.logit_dp import CROSS_TERMS
-from .nn.models import LR_SCHEDULES
+from .nn.models import LR_SCHEDULES, check_activation
 from .privacy.calibration import BudgetExhaustedError
 from .train.allocator import tune_cpu_allocator
 
@@ -139,7 +139,7 @@ SCHEMA: Dict[str, Any] = {
     "patch_size": _number(int, 0),
     "features": _choice("auto", "none", "scattering"),
     "colour_space": _choice("rgb", "hsv", "yuv", "grayscale"),
-    "activation": _text(),
+    "activation": check_activation,
     "conv": _choice("lipschitz", "orthogonal", "orthogonal_fixed"),
     "input_clip": _number(float, 0, optional=True),
     "loss": _choice("tau_ce", "ce", "hinge", "kr", "hkr", "kcosine"),
@@ -669,6 +669,9 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     for flag, used in clipless_only.items():
         if used and config["method"] != "clipless":
             raise SystemExit(f"{flag} is an option of clipless training, not of --method {config['method']}")
+    if config["model"] == "mlp" and not config["hidden"] and config["activation"] != DEFAULTS["activation"]:
+        raise SystemExit(f"--activation {config['activation']}: the mlp has no hidden layer (--hidden is empty), "
+                         "so no activation would be used; give --hidden widths or drop --activation")
     if config["method"] != "dpsgd" and config["max_grad_norm"] != DEFAULTS["max_grad_norm"]:
         raise SystemExit(f"--max-grad-norm is the clipping norm of --method dpsgd, not of --method {config['method']}")
     if config["method"] == "nonprivate" and config["secure_noise"]:

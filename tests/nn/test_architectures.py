@@ -106,6 +106,26 @@ def test_an_activation_whose_groups_do_not_split_a_width_is_refused_when_built(b
         build()
 
 
+@pytest.mark.parametrize("name", ["foo", "relu", "groupsort0", "groupsort1", "groupsort-2", "groupsort 3",
+                                  "groupsort3.0", "GroupSort2", "maxmin2", "", None, 4])
+def test_an_unknown_activation_is_refused_even_by_an_mlp_without_hidden_layers(name):
+    """A linear head has no layer to put an activation after: the name was never read, and any name was accepted."""
+    with pytest.raises(ValueError, match="unknown activation"):
+        cl.lipschitz_mlp(SHAPE, CLASSES, hidden=(), activation=name)
+    with pytest.raises(ValueError, match="unknown activation"):
+        cl.lipschitz_mlp(SHAPE, CLASSES, hidden=(4,), activation=name)
+
+
+@pytest.mark.parametrize("name, size", [("maxmin", 2), ("groupsort", 2), ("groupsort2", 2), ("groupsort3", 3),
+                                        ("groupsort4", 4), ("groupsort12", 12)])
+def test_known_activations_are_built_with_their_group_size(name, size):
+    from clipless.nn.models import check_activation
+
+    assert check_activation(name) == name
+    model = cl.lipschitz_mlp(SHAPE, CLASSES, hidden=(12,), activation=name)
+    assert [m.group_size for m in model if isinstance(m, (cl.MaxMin, cl.GroupSort))] == [size]
+
+
 def test_permute_rejects_the_batch_axis():
     with pytest.raises(ValueError, match="permutation"):
         cl.Permute(0, 1)

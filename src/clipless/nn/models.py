@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -31,6 +32,7 @@ from .losses import (
 )
 
 __all__ = [
+    "check_activation",
     "lipschitz_mlp",
     "lipschitz_cnn",
     "lipschitz_vgg",
@@ -46,15 +48,24 @@ __all__ = [
 ]
 
 
+def check_activation(name: Any) -> str:
+    """``name`` if it names an activation of the builders: ``maxmin``, or ``groupsortK`` (groups of ``K >= 2``
+    features sorted; ``groupsort`` alone is ``groupsort2``).  Checked on its own, so that a name is refused even
+    where a model has no layer to put it after (a linear head)."""
+    match = re.fullmatch(r"groupsort([0-9]*)", name) if isinstance(name, str) else None
+    if name != "maxmin" and (match is None or (match.group(1) and int(match.group(1)) < 2)):
+        raise ValueError(f"unknown activation {name!r}: maxmin, or groupsortK with K >= 2 (groupsort4 sorts groups "
+                         "of 4 features)")
+    return name
+
+
 def _activation(name: str, width: int, dim: int = 1) -> nn.Module:
     """The activation after a layer of ``width`` features (channels, units), refused when they do not split into its
     groups: named here, where the first forward would only say how many features there were."""
-    if name == "maxmin":
+    if check_activation(name) == "maxmin":
         layer: nn.Module = MaxMin(dim)
-    elif name.startswith("groupsort"):
-        layer = GroupSort(int(name[len("groupsort") :] or 2), dim)
     else:
-        raise ValueError(f"unknown activation {name!r} (maxmin, groupsort4, ...)")
+        layer = GroupSort(int(name[len("groupsort") :] or 2), dim)
     if width % layer.group_size:  # type: ignore[operator]
         raise ValueError(f"activation {name} sorts groups of {layer.group_size} features: a layer of {width} "
                          f"features (a width or channel count) does not split into them; use multiples of "
@@ -78,6 +89,7 @@ def lipschitz_mlp(
     (scaled by ``1/k``, a fixed 1-Lipschitz map): ``k^2`` times fewer weights
     in the first layer, hence less noise.
     """
+    check_activation(activation)  # also where no hidden layer would read it
     layers: list = []
     if input_clip is not None:
         layers.append(InputNormClip(input_clip))
