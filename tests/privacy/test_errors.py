@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import clipless as cl
+from clipless.contrastive import ContrastivePretrainer
 from clipless.privacy.bounds import BoundEngine
 from clipless.privacy.certified import BoundError
 from clipless.train.checkpoint import load_checkpoint, save_checkpoint
@@ -557,3 +558,43 @@ def test_per_layer_weights_of_the_wrong_kind_are_refused(data, weights) -> None:
         weights = {names[0]: next(iter(weights.values()))}
     with pytest.raises(ValueError, match="layer_noise_multipliers must be"):
         trainer_for(model, data, strategy="per_layer", layer_noise_multipliers=weights)
+
+
+def _make_private(data, **kw):
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    return cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           data=data, loss=cl.TauCrossEntropy(), noise_multiplier=1.0,
+                                           input_shape=SHAPE, batch_size=8.0, **kw)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("external_batches", "no"), ("external_batches", 1), ("check_records", "no"), ("check_records", 0),
+    ("secure_noise", "yes"), ("distributed", "no"), ("progress", "no"), ("progress", 0.5)])
+def test_a_switch_of_make_private_that_is_not_a_bool_is_refused(data, name, value) -> None:
+    """``external_batches="no"`` (a truthy string) switched the batch check off without a word."""
+    with pytest.raises(ValueError, match=f"{name} must be True or False"):
+        _make_private(data, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["noise_generator", "sampling_generator"])
+@pytest.mark.parametrize("value", [1, "secret", torch.tensor(1), torch.Generator().get_state()])
+def test_a_generator_that_is_not_a_torch_generator_is_refused_by_name(data, name, value) -> None:
+    """An int given as a generator failed inside torch at the first draw, naming neither the setting nor the fix."""
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Generator, or None"):
+        _make_private(data, **{name: value})
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        cl.PoissonBatchSampler(10, 0.5, generator=value)
+
+
+@pytest.mark.parametrize("value", ["no", "false", 1, None])
+def test_the_opt_in_to_statistics_without_noise_must_be_a_bool(data, value) -> None:
+    """``log_train_stats="no"`` read as True: the run logged and saved training statistics without noise."""
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match="log_train_stats must be True or False"):
+        trainer_for(model, data, log_train_stats=value)
+    pairs = torch.utils.data.TensorDataset(torch.rand(16, 4), torch.rand(16, 4))
+    encoder = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="log_train_stats must be True or False"):
+        ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), pairs, batch_size=4.0,
+                              epochs=1, delta=1e-3, noise_multiplier=1.0, progress=False, log=None,
+                              log_train_stats=value)

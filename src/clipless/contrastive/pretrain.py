@@ -22,7 +22,7 @@ from ..data.datasets import check_finite, check_held_out
 from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_delta,
                                   check_nothing_released)
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
-from ..privacy.certified import whole_number
+from ..privacy.certified import check_flag, whole_number
 from ..privacy.noise import add_gaussian_noise_, check_secure_flag
 from ..privacy.optimizer import (changed_state, check_fresh_optimizer, put_back_changes_, put_back_optimizer_state_,
                                  restore_state_, snapshot_optimizer_state, snapshot_state)
@@ -262,9 +262,10 @@ class ContrastivePretrainer(DeclaredConstants):
         self.encoder, self.optimizer, self.pairs, self.eval_pairs = encoder, optimizer, pairs, eval_pairs
         self.method, self.loss, self.tau, self.clip_norm = method, loss, float(tau), float(clip_norm)
         self.batch_size, self.delta, self.noise_seed = float(batch_size), delta, noise_seed
-        self.log_train_stats = bool(log_train_stats)
+        self.log_train_stats = check_flag(log_train_stats, "log_train_stats")  # the opt-in to un-noised statistics
         _check_cross_term(cross_term)  # before any calibration or sampling
         _check_gram_method(gram_method)
+        check_flag(progress, "progress")
         self.gram_method, self.cross_term, self.progress, self.log = gram_method, cross_term, progress, log
         self.checkpoint_path = checkpoint_destination(checkpoint_path)
         self._continues: Optional[Path] = None  # the checkpoint file this run resumed from or wrote (resolved)

@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["CERT_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm", "bjorck_residual",
            "certified_bjorck_step", "CertifiedValueCache", "ieee_matmul", "ieee_convolutions",
-           "is_real", "is_whole", "whole_number"]
+           "is_real", "is_whole", "whole_number", "check_flag"]
 
 # Relative safety margin applied to norms computed in float64 from float32
 # weights: float64 SVD is backward-stable to ~1e-15 relative, so 1e-9 is a
@@ -39,6 +39,14 @@ def whole_number(value: int, name: str, minimum: int = 1) -> int:
     if not is_whole(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_flag(value: Any, name: str, optional: bool = False) -> Optional[bool]:
+    """A switch as given (``None`` too where ``optional``: the default decides), refused unless a bool: ``"no"`` or
+    ``0.5`` would read as a choice, and ``log_train_stats="no"`` as the opt-in to release statistics without noise."""
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise ValueError(f"{name} must be True or False{' (or None)' if optional else ''}, got {value!r}")
+    return value
 
 
 class BoundError(ValueError):

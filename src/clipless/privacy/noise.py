@@ -13,6 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 
 from .bounds import BoundReport
+from .certified import check_flag
 from .randomness import is_secret_generator, mechanism_words, secret_generator
 
 __all__ = [
@@ -35,9 +36,7 @@ SECURE_DRAWS = 4
 
 def check_secure_flag(secure: Any) -> bool:
     """``secure_noise`` as given, refused unless a bool ("no" or 0.5 would read as a choice)."""
-    if not isinstance(secure, bool):
-        raise ValueError(f"secure_noise must be True or False, got {secure!r}")
-    return secure
+    return bool(check_flag(secure, "secure_noise"))
 
 
 # Box-Muller's squared radius over 2 is Exp(1), -ln(1 - u); past this level a draw is redrawn (memoryless), so the

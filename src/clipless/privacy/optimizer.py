@@ -25,12 +25,12 @@ import torch
 from .accounting import PrivacyAccountant, bind_accountant, check_nothing_released
 from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
-from .certified import BoundError, whole_number
+from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
 from .input_guard import InputGuard, StepGuard, row_digests, rows_repeated, undrawn_records, unwatched
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
-from .randomness import resume_generator, saved_generator_state, secret_generator
+from .randomness import check_generator, resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
 __all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_", "put_back_changes_", "state_digests",
@@ -193,6 +193,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
     ) -> None:
         augmentation_multiplicity = whole_number(augmentation_multiplicity, "augmentation_multiplicity")
         check_secure_flag(secure_noise)
+        check_flag(distributed, "distributed")
+        check_generator(generator, "generator")
         if accountant.mechanism != plan.accountant:
             raise ValueError(f"the noise plan was made for the {plan.accountant!r} accountant, the run uses "
                              f"{accountant.mechanism!r}")
@@ -364,6 +366,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         ``input_guard`` (the data bound it checks, and that it still checks the forwards) are compared with their
         values now at every forward and step.  ``record_digests``: the row digests of the training records (those
         read by the record check); a step whose forwards saw one of them that the batch does not hold is refused."""
+        check_flag(external_batches, "external_batches")
         self._check_settings()  # a new snapshot must not hide a change made before it
         self._batches = loader
         self._batches_released = loader.batches_drawn

@@ -14,13 +14,14 @@ from torch.utils.data import DataLoader, Dataset
 from .accounting import PrivacyAccountant, check_delta
 from .bounds import BoundEngine, check_input_shape
 from .calibration import plan_noise, planned_steps
-from .certified import BoundError, is_real
+from .certified import BoundError, check_flag, is_real
 from .distributed import (DistributedPoissonBatchSampler, all_gather_objects, check_distinct_on_all_ranks,
                           check_same_on_all_ranks, same_outcome_on_all_ranks, world)
 from .input_guard import (DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite,
                           digest_seed, row_digests, use_digest_seed)
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
 from .optimizer import DPOptimizer
+from .randomness import check_generator
 from .sampling import (dataset_size, expected_batch_size, in_memory_records, loader_parts, poisson_data_loader,
                        poisson_steps_per_epoch, poisson_threshold, record_chunks)
 
@@ -214,6 +215,14 @@ class PrivacyEngine(DeclaredConstants):
         runs (default: on a terminal, on rank 0).
         """
         self.check_accountant()
+        # switches and generators as given: a truthy string ("no") or an int would read as a choice
+        for value, name in ((external_batches, "external_batches"), (check_records, "check_records"),
+                            (secure_noise, "secure_noise")):
+            check_flag(value, name)
+        check_flag(distributed, "distributed", optional=True)
+        check_flag(progress, "progress", optional=True)
+        check_generator(noise_generator, "noise_generator")
+        check_generator(sampling_generator, "sampling_generator")
         if not isinstance(loss, LipschitzLoss):
             raise BoundError(f"{type(loss).__name__} declares no Lipschitz constant; use a clipless loss")
         input_shape = check_input_shape(input_shape)

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from .certified import is_whole
 
 __all__ = ["secret_generator", "is_secret_generator", "make_generator", "mechanism_words", "randomness_label",
+           "check_generator",
            "secret_seed", "resume_generator", "saved_generator_state"]
 
 # Layout of the CPU generator state (ATen CPUGeneratorImplState): initial seed (u64), left (i32),
@@ -133,6 +134,15 @@ def secret_generator(device: Union[str, torch.device] = "cpu") -> torch.Generato
                        state[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS]):
         raise RuntimeError("torch did not accept the entropy-filled generator state")
     generator._sealed = True
+    return generator
+
+
+def check_generator(generator: Any, name: str) -> Optional[torch.Generator]:
+    """``generator`` as given, refused unless ``None`` (OS entropy: the private default) or a ``torch.Generator``;
+    anything else failed later inside torch, at the first draw, naming no setting."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{name} must be a torch.Generator, or None for OS entropy (the private default), got "
+                        f"{type(generator).__name__} {generator!r}")
     return generator
 
 

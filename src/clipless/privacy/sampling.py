@@ -12,7 +12,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .input_guard import batch_row_digests
 from .certified import DeclaredConstants, is_real, whole_number
-from .randomness import is_secret_generator, mechanism_words, secret_generator
+from .randomness import check_generator, is_secret_generator, mechanism_words, secret_generator
 
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
            "poisson_threshold", "realised_sample_rate", "expected_batch_size", "poisson_steps_per_epoch",
@@ -194,6 +194,7 @@ class PoissonBatchSampler(DeclaredConstants, Sampler[List[int]]):
     ) -> None:
         if num_samples <= 0:
             raise ValueError("dataset is empty")
+        check_generator(generator, "generator")
         self.threshold = poisson_threshold(sample_rate)  # validates
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)

@@ -22,7 +22,7 @@ from ..data.augment import ImageAugmentation
 from ..data.datasets import check_held_out
 from ..diagnostics.tightness import TightnessMonitor
 from ..privacy.accounting import check_accounted_steps, check_delta, check_nothing_released
-from ..privacy.certified import is_real
+from ..privacy.certified import check_flag, is_real
 from ..privacy.modules import DeclaredConstants, LipschitzLoss, project_all_
 from ..privacy.distributed import all_gather_objects, world
 from ..privacy.privacy_engine import PrivacyEngine, check_dataset_records
@@ -150,7 +150,7 @@ class PrivateTrainer(DeclaredConstants):
         self.delta, self.target_epsilon, self.strategy = delta, target_epsilon, strategy
         self.device, self.progress, self.log = device, progress, log
         self.noise_seed = noise_seed
-        self.log_train_stats = bool(log_train_stats)
+        self.log_train_stats = check_flag(log_train_stats, "log_train_stats")  # the opt-in to un-noised statistics
         self.checkpoint_path = checkpoint_destination(checkpoint_path)
         self._continues: Optional[Path] = None  # the checkpoint file this run resumed from or wrote (resolved)
         self.sample_rate = batch_size / n
