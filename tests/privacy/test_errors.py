@@ -598,3 +598,20 @@ def test_the_opt_in_to_statistics_without_noise_must_be_a_bool(data, value) -> N
         ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), pairs, batch_size=4.0,
                               epochs=1, delta=1e-3, noise_multiplier=1.0, progress=False, log=None,
                               log_train_stats=value)
+
+
+@pytest.mark.parametrize("setting, value, error, match", [
+    ("device", "foo", ValueError, "device must name a torch device"),
+    ("device", 3.5, ValueError, "device must name a torch device"),
+    ("log", 3, TypeError, "log must be a function or None"),
+    ("augment", "shift", TypeError, "augment must be a function or None"),
+    ("lr_scheduler", 0.1, TypeError, "lr_scheduler must be a function or None"),
+    ("tightness_monitor", 3, TypeError, "tightness_monitor must be a TightnessMonitor or None"),
+])
+def test_trainer_settings_read_at_the_first_batch_are_refused_when_given(data, setting, value, error, match) -> None:
+    """A device typo or a non-callable hook failed inside the first batch, after the records were read and checked
+    and the noise planned ("Expected one of cpu, cuda, ..." from torch, "'int' object has no attribute 'due'")."""
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    kw = {setting: value, **({"augmentation_multiplicity": 2} if setting == "augment" else {})}
+    with pytest.raises(error, match=match):
+        trainer_for(model, data, **kw)

@@ -135,6 +135,17 @@ class PrivateTrainer(DeclaredConstants):
     ) -> None:
         if target_epsilon is None and noise_multiplier is None:
             raise ValueError("give target_epsilon, noise_multiplier, or both")
+        # settings first read at the first batch or step: refused here, before the records are read and checked
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:1'), got {device!r}") from None
+        for value, name in ((log, "log"), (augment, "augment"), (lr_scheduler, "lr_scheduler")):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be a function or None, got {type(value).__name__} {value!r}")
+        if tightness_monitor is not None and not isinstance(tightness_monitor, TightnessMonitor):
+            raise TypeError("tightness_monitor must be a TightnessMonitor or None, got "
+                            f"{type(tightness_monitor).__name__}")
         self.max_physical_batch_size = check_physical_batch_size(max_physical_batch_size)
         if epochs is None and target_epsilon is None:
             raise ValueError("give epochs or target_epsilon: training would never stop")
