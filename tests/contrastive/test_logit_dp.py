@@ -846,6 +846,13 @@ def test_checkpoint_keeps_accountant(tmp_path) -> None:
     with pytest.raises(ValueError, match="composed .* steps but the run records"):
         fresh.load_checkpoint(tmp_path / "short.pt")
     assert fresh.steps == 0 and fresh.accountant.steps == 0
+    state = load_checkpoint(tmp_path / "c.pt")  # steps composed at a larger noise multiplier: a lower epsilon
+    state["accountant"]["history"] = [(2 * s, q, k) for s, q, k in state["accountant"]["history"]]
+    save_checkpoint(state, tmp_path / "lower.pt")
+    shutil.copy(fingerprint_key_path(tmp_path / "c.pt"), fingerprint_key_path(tmp_path / "lower.pt"))
+    with pytest.raises(ValueError, match="at noise multiplier .* where every step of this run"):
+        fresh.load_checkpoint(tmp_path / "lower.pt")
+    assert fresh.steps == 0 and fresh.accountant.steps == 0
     state = load_checkpoint(tmp_path / "c.pt")
     state["encoder"] = {k: torch.zeros(v.shape[0] + 1) for k, v in state["encoder"].items()}
     save_checkpoint(state, tmp_path / "other.pt")

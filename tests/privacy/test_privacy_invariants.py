@@ -522,6 +522,48 @@ def test_resume_with_another_accountant_refused(tmp_path):
         trainer("pld").load_checkpoint(tmp_path / "ckpt.pt")
 
 
+def _private_run(**plan):
+    model = _model()
+    engine = cl.PrivacyEngine()
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                                             data=_data(), loss=cl.TauCrossEntropy(4.0), input_shape=SHAPE,
+                                             batch_size=8, **plan)
+    return engine, model, opt, loader
+
+
+def _steps(model, opt, loader, count):
+    for _, (x, y) in zip(range(count), loader):
+        opt.zero_grad()
+        cl.TauCrossEntropy(4.0).per_example(model(x), y).sum().backward()
+        opt.step()
+
+
+def test_a_budget_counted_in_steps_refuses_a_saved_history_of_another_mechanism():
+    """A state saved at noise multiplier 0.6 loaded into a run planned for epsilon 3: its budget, counted in steps at
+    its own multiplier, let it release steps up to its plan's count on top of the 30 loaded, which had spent
+    epsilon 12.2 already (12.35 at the end, against the target 3)."""
+    engine, model, opt, loader = _private_run(noise_multiplier=0.6)
+    _steps(model, opt, loader, 6)
+    saved_model, saved = model.state_dict(), opt.state_dict()
+    plans = [dict(target_epsilon=3.0, target_delta=1e-3, epochs=4), dict(noise_multiplier=0.9, epochs=4)]
+    for plan in plans:  # a target epsilon, and a given multiplier whose epochs are the budget
+        engine, model, opt, _ = _private_run(**plan)
+        model.load_state_dict(saved_model)
+        with pytest.raises(ValueError, match="composed 6 step.* at noise multiplier 0.6 .* where every step of this run"):
+            opt.load_state_dict(saved)
+        assert engine.accountant.steps == 0
+    # the same plan resumes it; a multiplier without a budget composes both (the accountant reports their sum)
+    engine, model, opt, loader = _private_run(noise_multiplier=0.6, epochs=4)
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved)
+    assert engine.accountant.history == [(0.6, 8 / 64, 6)]
+    engine, model, opt, loader = _private_run(noise_multiplier=2.0)
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved)
+    _steps(model, opt, loader, 2)
+    assert engine.accountant.history == [(0.6, 8 / 64, 6), (2.0, 8 / 64, 2)]
+
+
 # --------------------------------------------------------------------------------------------------
 # Finding 5: losses know their width; declared constants cannot be changed
 # --------------------------------------------------------------------------------------------------

@@ -422,6 +422,17 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
     with pytest.raises(ValueError, match="composed .* steps but the run records"):
         fresh.load_checkpoint(tmp_path / "short.pt")
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters())) and fresh.accountant.steps == 0
+    # its steps composed at a larger noise multiplier or a smaller rate than the run's plan: a lower epsilon for the
+    # same released steps (resumed, the run reported it)
+    for edit in ((2.0, 1.0), (1.0, 0.5)):
+        state = load_checkpoint(tmp_path / "ckpt.pt")
+        for holder in (state["accountant"], state["optimizer"]["accountant"]):
+            holder["history"] = [(s * edit[0], q * edit[1], k) for s, q, k in holder["history"]]
+        save_checkpoint(state, tmp_path / "lower.pt")
+        shutil.copy(fingerprint_key_path(tmp_path / "ckpt.pt"), fingerprint_key_path(tmp_path / "lower.pt"))
+        with pytest.raises(ValueError, match="composed .* step.* at noise multiplier .* where every step of this run"):
+            fresh.load_checkpoint(tmp_path / "lower.pt")
+        assert fresh.accountant.steps == 0 and fresh.steps == 0
     # a checkpoint of another architecture is refused before any weight is copied (load_state_dict copies the
     # matching entries before it reports the others)
     state = load_checkpoint(tmp_path / "ckpt.pt")

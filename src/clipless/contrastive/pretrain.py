@@ -533,7 +533,8 @@ class ContrastivePretrainer(DeclaredConstants):
             check_records(path, "train_data", saved["train_data"], self._data_fingerprint, read_fingerprint_key(path),
                           "in the same order")
         if self.accountant is not None:
-            check_accounted_steps(state["accountant"], state.get("steps"), path)
+            check_accounted_steps(state["accountant"], state.get("steps"), path,
+                                  (self.plan.step_sigma, self.plan.sample_rate))
         check_fits(self.encoder, state["encoder"], path, "encoder")
         self.encoder.load_state_dict(state["encoder"])
         self.optimizer.load_state_dict(state["optimizer"])

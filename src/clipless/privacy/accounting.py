@@ -12,7 +12,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import dp_accounting
 from dp_accounting import pld, rdp
@@ -30,6 +30,7 @@ __all__ = [
     "calibrate_steps",
     "check_delta",
     "check_accounted_steps",
+    "check_composed_at",
     "check_positive_finite",
 ]
 
@@ -154,14 +155,34 @@ class _Entry:
     steps: int
 
 
-def check_accounted_steps(accountant_state: Dict[str, Any], steps: Any, path: Any) -> None:
+def check_accounted_steps(accountant_state: Dict[str, Any], steps: Any, path: Any,
+                          mechanism: Optional[Tuple[float, float]] = None) -> None:
     """A checkpoint's accountant must have composed exactly the steps its run released: fewer would
-    under-report epsilon from the resumed run on."""
+    under-report epsilon from the resumed run on.  ``mechanism``: the ``(noise multiplier, sample rate)`` that
+    every step of the run composes (its noise plan's): a history holding steps at another (a larger multiplier, a
+    smaller rate) would report a lower epsilon for the same steps."""
     accountant = PrivacyAccountant(accountant_state.get("mechanism", "pld"))
     accountant.load_state_dict(accountant_state)
     if not is_whole(steps) or accountant.steps != steps:
         raise ValueError(f"checkpoint {path}: its accountant composed {accountant.steps} steps but the run records "
                          f"{steps!r} released steps; resume from an intact checkpoint or restart training")
+    if mechanism is not None:
+        check_composed_at(accountant_state, mechanism, f"checkpoint {path}",
+                          "its epsilon would not be that of the steps released; resume from an intact checkpoint")
+
+
+def check_composed_at(accountant_state: Dict[str, Any], mechanism: Tuple[float, float], what: str, fix: str) -> None:
+    """Every step of a saved accountant history composed at ``mechanism``, the ``(noise multiplier, sample rate)``
+    of the run that resumes it: a budget counted in steps of its plan (``NoisePlan.max_steps``) holds only for
+    steps at that plan's mechanism, and a run's config names its mechanism for all of its steps."""
+    accountant = PrivacyAccountant(accountant_state.get("mechanism", "pld"))
+    accountant.load_state_dict(accountant_state)  # validated as live steps are
+    sigma_plan, rate_plan = float(mechanism[0]), float(mechanism[1])
+    for sigma, rate, count in accountant.history:
+        if (sigma, rate) != (sigma_plan, rate_plan):
+            raise ValueError(f"{what}: its accountant composed {count} step(s) at noise multiplier {sigma!r} and "
+                             f"sample rate {rate!r}, where every step of this run has {sigma_plan!r} and "
+                             f"{rate_plan!r} (its noise plan): {fix}")
 
 
 def check_nothing_released(released_steps: int, what: str) -> None:

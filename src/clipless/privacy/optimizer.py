@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .accounting import PrivacyAccountant, bind_accountant, check_nothing_released
+from .accounting import PrivacyAccountant, bind_accountant, check_composed_at, check_nothing_released
 from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
@@ -707,6 +707,12 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 raise ValueError(f"this optimizer state was accounted with the {saved.get('mechanism')!r} accountant, "
                                  f"this run uses {self.accountant.mechanism!r}: resume with the same accountant")
             check_nothing_released(self.accountant.steps, "this optimizer's accountant")
+        if saved is not None and self.plan.max_steps is not None:
+            # the budget counts steps of this plan: steps at another multiplier or rate would not add up to it
+            check_composed_at(saved, (self.plan.step_sigma, self.plan.sample_rate), "this optimizer state",
+                              "this run's budget (target epsilon or planned epochs) counts steps at its own noise "
+                              "multiplier and rate; resume with the noise plan the state was saved with, or give "
+                              "noise_multiplier without a target epsilon or epochs")
         self._check_resumed_model(state.get("released_state"))
         self.original_optimizer.load_state_dict(state["optimizer"])
         self._released_inner = snapshot_optimizer_state(self.original_optimizer)

@@ -488,7 +488,8 @@ class PrivateTrainer(DeclaredConstants):
             raise ValueError(f"checkpoint {path} does not record the sampling streams of every process (an older "
                              "version, or saved by hand between epochs): their restarted streams would repeat batches "
                              "already drawn; resume from a checkpoint written at the end of an epoch")
-        check_accounted_steps(accountant_state, state.get("steps"), path)
+        plan = self.optimizer.plan
+        check_accounted_steps(accountant_state, state.get("steps"), path, (plan.step_sigma, plan.sample_rate))
         check_fits(self.module, state["model"], path)
         if self.averaged_model is not None:
             check_fits(self.averaged_model, state["averaged_model"], path, "averaged model")
