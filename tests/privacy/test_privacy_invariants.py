@@ -564,6 +564,38 @@ def test_a_budget_counted_in_steps_refuses_a_saved_history_of_another_mechanism(
     assert engine.accountant.history == [(0.6, 8 / 64, 6), (2.0, 8 / 64, 2)]
 
 
+@pytest.mark.parametrize("edit", ["clear", "rebind", "dict", "count", "multiplier", "replace"])
+def test_steps_taken_out_of_the_accountant_are_refused_and_put_back(edit):
+    """``engine.accountant._history.clear()`` after 5 of a budget's 16 steps: 21 steps were released, the budget
+    counting from 0 again, and epsilon was reported as 2.998 for a true 3.395 (target 3)."""
+    from clipless.privacy.accounting import _Entry
+
+    engine, model, opt, loader = _private_run(target_epsilon=3.0, target_delta=1e-3, epochs=2)
+    _steps(model, opt, loader, 5)
+    before = engine.accountant.history
+    acc = engine.accountant
+    if edit == "clear":  # the history is a tuple of frozen entries: nothing to clear or edit in place
+        with pytest.raises(AttributeError):
+            acc._history.clear()
+        return
+    if edit == "rebind":
+        acc._history = ()
+    elif edit == "dict":
+        acc.__dict__["_history"] = acc._history[:0]
+    elif edit == "count":
+        object.__setattr__(acc._history[-1], "steps", 1)
+    elif edit == "multiplier":
+        object.__setattr__(acc._history[-1], "noise_multiplier", 50.0)
+    else:
+        acc._history = (_Entry(50.0, 0.125, 5),)
+    assert engine.accountant.history != before
+    with pytest.raises(BoundError, match="the accountant no longer holds the steps released so far"):
+        _steps(model, opt, loader, 1)
+    assert engine.accountant.history == before  # put back
+    _steps(model, opt, loader, 1)  # and the run goes on from there
+    assert engine.accountant.steps == 6
+
+
 # --------------------------------------------------------------------------------------------------
 # Finding 5: losses know their width; declared constants cannot be changed
 # --------------------------------------------------------------------------------------------------

@@ -148,8 +148,8 @@ def _step_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_a
     return dp_accounting.SelfComposedDpEvent(event, int(steps))
 
 
-@dataclass
-class _Entry:
+@dataclass(frozen=True)
+class _Entry:  # frozen, in a tuple: the history changes only by step() and load_state_dict(), never in place
     noise_multiplier: float
     sample_rate: float
     steps: int
@@ -232,7 +232,7 @@ class PrivacyAccountant(DeclaredConstants):
     def __init__(self, mechanism: str = "pld") -> None:
         _new_accountant(mechanism)  # validates the name
         self.mechanism = mechanism
-        self._history: List[_Entry] = []
+        self._history: Tuple[_Entry, ...] = ()
 
     @property
     def history(self) -> List[tuple]:
@@ -251,9 +251,23 @@ class PrivacyAccountant(DeclaredConstants):
             return
         last = self._history[-1] if self._history else None
         if last and last.noise_multiplier == noise_multiplier and last.sample_rate == sample_rate:
-            last.steps += steps
+            self._history = self._history[:-1] + (_Entry(last.noise_multiplier, last.sample_rate, last.steps + steps),)
         else:
-            self._history.append(_Entry(float(noise_multiplier), float(sample_rate), int(steps)))
+            self._history += (_Entry(float(noise_multiplier), float(sample_rate), int(steps)),)
+
+    def holds(self, earlier: Sequence[tuple]) -> bool:
+        """Whether this history still holds every step of ``earlier`` (an earlier value of :attr:`history`) as
+        :meth:`step` extends it: the same entries, the last one's count grown, then new entries."""
+        now, earlier = self.history, [tuple(e) for e in earlier]
+        if not earlier:
+            return True
+        k = len(earlier) - 1
+        return (len(now) > k and now[:k] == earlier[:k] and now[k][:2] == earlier[k][:2]
+                and now[k][2] >= earlier[k][2])
+
+    def put_back_(self, earlier: Sequence[tuple]) -> None:
+        """Make the history ``earlier`` again (what a check that saw steps removed or rewritten restores)."""
+        self._history = tuple(_Entry(float(s), float(q), int(n)) for s, q, n in earlier)
 
     def dp_event(self) -> dp_accounting.DpEvent:
         return dp_accounting.ComposedDpEvent(

@@ -214,6 +214,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self.expected_batch_size = float(expected_batch_size)
         self.sample_rate = plan.sample_rate
         self.accountant = accountant
+        self._accounted = accountant.history  # what the steps so far composed: nothing may take it away
         report = bound_engine.compute()
         if set(plan.layer_sigmas) != {layer.name for layer in report.layers}:
             raise ValueError("the noise plan does not name exactly the model's bounded layers")
@@ -587,6 +588,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 return params, self._checked_report(params)
 
         try:
+            self._check_accounted()
             self.plan.check_budget(self.accountant.steps)
             if self.world_size == 1:
                 params, report = checked()
@@ -604,6 +606,19 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             if self._batches is not None:
                 self._batches_released = self._batches.batches_drawn
         return loss
+
+    def _check_accounted(self) -> None:
+        """Refuse a step where the accountant no longer holds the steps released so far (entries removed or
+        rewritten outside :meth:`PrivacyAccountant.step`): epsilon would be under-reported and the budget, counted
+        in its steps, overspent.  The history is put back first."""
+        if self.accountant.holds(self._accounted):
+            return
+        now = self.accountant.steps
+        self.accountant.put_back_(self._accounted)
+        raise BoundError(f"the accountant no longer holds the steps released so far (it held {now} step(s), the "
+                         f"releases composed {self.accountant.steps}; an entry removed or rewritten outside its step): "
+                         "epsilon would be under-reported and the budget overspent; its history was put back. Only "
+                         "the private step composes steps")
 
     def _checked_report(self, params: List[torch.Tensor]) -> BoundReport:
         """Every check of the step's gradients, then the certified bounds they are noised with."""
@@ -643,6 +658,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         # Accounted as soon as the noisy gradient exists: the inner step consumes it into its state (momentum, Adam's
         # moments), which later released steps apply even if what follows here fails and the model is put back.
         self.plan.account_step(self.accountant)
+        self._accounted = self.accountant.history
         self.original_optimizer.step()
         self._released_inner = snapshot_optimizer_state(self.original_optimizer)  # what later steps may build on
         self.bound_engine.project_()
@@ -719,6 +735,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         resume_generator(self.generator, state["noise_generator"])
         if saved is not None and self.accountant.steps == 0:
             self.accountant.load_state_dict(saved)
+        self._accounted = self.accountant.history  # the resumed steps (loaded here or by the caller just before)
         self._released_state = self._snapshot_released()  # the resumed model's, loaded before this
 
     def _check_resumed_model(self, released: Optional[Dict[str, str]]) -> None:
