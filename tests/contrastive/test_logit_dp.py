@@ -15,6 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from clipless.privacy.accounting import compute_epsilon
+from clipless.privacy.certified import BoundError
 from clipless.train.baselines import standard_cnn
 from clipless.train.checkpoint import fingerprint_key_path, load_checkpoint, save_checkpoint
 from clipless.cli import main as cli_main
@@ -707,6 +708,19 @@ def test_the_pretrainers_loader_parts_cannot_be_swapped() -> None:
     with pytest.raises(ValueError, match="sampling and its loader's parts"):
         t.fit()
     assert t.accountant.steps == 0
+
+
+def test_steps_taken_out_of_the_pretrainers_accountant_are_refused_and_put_back() -> None:
+    """As for the private optimizer: a history rebound to fewer steps would let the budget count from there."""
+    t = _trainer("logit_dp", epochs=2)
+    t.epochs = 1
+    t.fit()
+    released = t.accountant.history
+    t.accountant._history = t.accountant._history[:0]
+    t.epochs = 2
+    with pytest.raises(BoundError, match="the accountant no longer holds the steps released so far"):
+        t.fit()
+    assert t.accountant.history == released and t.steps == t.accountant.steps
 
 
 def test_the_training_pairs_swapped_in_as_eval_pairs_are_refused() -> None:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..data.datasets import check_finite, check_held_out
 from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_delta,
-                                  check_nothing_released)
+                                  check_nothing_released, check_released_steps_)
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
 from ..privacy.certified import check_flag, whole_number
 from ..privacy.noise import add_gaussian_noise_, check_secure_flag
@@ -294,6 +294,7 @@ class ContrastivePretrainer(DeclaredConstants):
             sensitivity = (logit_dp_sensitivity(self.clip_norm, self.tau, loss) if method == "logit_dp"
                            else naive_dp_sensitivity(self.clip_norm))
         self.accountant, self.plan, self.sensitivity = accounting, plan, sensitivity
+        self._accounted: List[tuple] = []  # what the released steps composed: nothing may take it away
         self.sigma: Optional[float] = None if plan is None else plan.step_sigma
         self.loader = poisson_data_loader(pairs, self.sample_rate, generator=make_generator(noise_seed, stream=1),
                                           worker_options=loader_options)
@@ -381,6 +382,7 @@ class ContrastivePretrainer(DeclaredConstants):
         self._check_optimizer()
         if before is not None:
             self._check_released()
+            check_released_steps_(self.accountant, self._accounted)  # type: ignore[arg-type]
             self.plan.check_budget(self.accountant.steps)  # type: ignore[union-attr]  # before the batch is read
         try:
             if self.method == "logit_dp":
@@ -403,6 +405,7 @@ class ContrastivePretrainer(DeclaredConstants):
             add_gaussian_noise_(params, self.sigma * self.sensitivity, self.batch_size,  # type: ignore[operator]
                                 self.noise_generator, self.secure_noise)
             self.plan.account_step(self.accountant)  # type: ignore[union-attr]
+            self._accounted = self.accountant.history
         else:
             for p in params:  # same scaling as the private paths: sum / expected batch size
                 if p.grad is not None:
@@ -542,6 +545,7 @@ class ContrastivePretrainer(DeclaredConstants):
             self._released = snapshot_state(self.encoder.state_dict())
             self._released_optimizer = self._snapshot_optimizer()
             self.accountant.load_state_dict(state["accountant"])
+            self._accounted = self.accountant.history
         self.steps, self.epoch, self.history = state["steps"], state["epoch"], state["history"]
         self._wall = state.get("wall") or 0.0  # kept only where asked for
         resume_generator(self.noise_generator, state["noise_rng"])

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import dp_accounting
 from dp_accounting import pld, rdp
 
-from .certified import DeclaredConstants, is_real, is_whole, whole_number
+from .certified import BoundError, DeclaredConstants, is_real, is_whole, whole_number
 
 __all__ = [
     "bind_accountant",
@@ -31,6 +31,7 @@ __all__ = [
     "check_delta",
     "check_accounted_steps",
     "check_composed_at",
+    "check_released_steps_",
     "check_positive_finite",
 ]
 
@@ -183,6 +184,20 @@ def check_composed_at(accountant_state: Dict[str, Any], mechanism: Tuple[float, 
             raise ValueError(f"{what}: its accountant composed {count} step(s) at noise multiplier {sigma!r} and "
                              f"sample rate {rate!r}, where every step of this run has {sigma_plan!r} and "
                              f"{rate_plan!r} (its noise plan): {fix}")
+
+
+def check_released_steps_(accountant: "PrivacyAccountant", released: Sequence[tuple]) -> None:
+    """Refuse a step where ``accountant`` no longer holds ``released``, the history its releases composed (an entry
+    removed or rewritten outside :meth:`PrivacyAccountant.step`): epsilon would be under-reported and a budget
+    counted in its steps overspent.  The history is put back first."""
+    if accountant.holds(released):
+        return
+    now = accountant.steps
+    accountant.put_back_(released)
+    raise BoundError(f"the accountant no longer holds the steps released so far (it held {now} step(s), the "
+                     f"releases composed {accountant.steps}; an entry removed or rewritten outside its step): epsilon "
+                     "would be under-reported and the budget overspent; its history was put back. Only the private "
+                     "step composes steps")
 
 
 def check_nothing_released(released_steps: int, what: str) -> None:

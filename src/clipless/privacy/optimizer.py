@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .accounting import PrivacyAccountant, bind_accountant, check_composed_at, check_nothing_released
+from .accounting import (PrivacyAccountant, bind_accountant, check_composed_at, check_nothing_released,
+                         check_released_steps_)
 from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
@@ -588,7 +589,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 return params, self._checked_report(params)
 
         try:
-            self._check_accounted()
+            check_released_steps_(self.accountant, self._accounted)
             self.plan.check_budget(self.accountant.steps)
             if self.world_size == 1:
                 params, report = checked()
@@ -606,19 +607,6 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             if self._batches is not None:
                 self._batches_released = self._batches.batches_drawn
         return loss
-
-    def _check_accounted(self) -> None:
-        """Refuse a step where the accountant no longer holds the steps released so far (entries removed or
-        rewritten outside :meth:`PrivacyAccountant.step`): epsilon would be under-reported and the budget, counted
-        in its steps, overspent.  The history is put back first."""
-        if self.accountant.holds(self._accounted):
-            return
-        now = self.accountant.steps
-        self.accountant.put_back_(self._accounted)
-        raise BoundError(f"the accountant no longer holds the steps released so far (it held {now} step(s), the "
-                         f"releases composed {self.accountant.steps}; an entry removed or rewritten outside its step): "
-                         "epsilon would be under-reported and the budget overspent; its history was put back. Only "
-                         "the private step composes steps")
 
     def _checked_report(self, params: List[torch.Tensor]) -> BoundReport:
         """Every check of the step's gradients, then the certified bounds they are noised with."""
