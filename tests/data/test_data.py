@@ -51,8 +51,12 @@ def test_read_idx_roundtrip(tmp_path):
     bad = tmp_path / "bad.gz"
     with gzip.open(bad, "wb") as fh:
         fh.write(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + b"\x00" * 3)
-    with pytest.raises(ValueError, match="expected 10 values"):
+    with pytest.raises(ValueError, match=r"declares shape \(10,\) \(10 values\) but the file holds 3: cut short"):
         read_idx(bad)
+    garbage = tmp_path / "garbage.idx"  # a header of 153 dimensions read from random bytes: "expected 0 values"
+    garbage.write_bytes(bytes([0, 0, 0x09, 153]) + bytes(range(256)) * 3)
+    with pytest.raises(ValueError, match="declares 153 dimensions .* not an IDX file"):
+        read_idx(garbage)
     cut = tmp_path / "cut.idx"
     cut.write_bytes(bytes([0, 0, 0x08, 3]) + struct.pack(">I", 10))  # a struct.error before
     with pytest.raises(ValueError, match="cut short"):
@@ -99,6 +103,23 @@ def test_tabular_label_column_refused_by_name(tmp_path, column, match):
     csv.write_text("a,b,label\n" + "\n".join(f"{i},{i * 0.5},{i % 2}" for i in range(20)) + "\n")
     with pytest.raises(ValueError, match=match):
         cl.load_tabular(csv, label_column=column)
+
+
+@pytest.mark.parametrize("name, write, match", [
+    ("notzip.npz", lambda p: p.write_bytes(b"not a zip"), r"not a readable \.npz file"),  # numpy spoke of pickles
+    ("objects.npz", lambda p: np.savez(p, X=np.array([[1, None]], dtype=object), y=np.array([0])),
+     r"not a readable \.npz file"),
+    ("text.npz", lambda p: np.savez(p, X=np.random.rand(20, 2), y=np.array(list("ab") * 10)),
+     "labels of text.npz must be integers, got <U1"),  # "invalid literal for int()", naming no file
+    ("empty.csv", lambda p: p.write_text(""), "empty.csv is empty"),
+    ("ragged.csv", lambda p: p.write_text("a,b,label\n" + "1,2,0\n1,2\n" * 10),
+     "ragged.csv is not a table of numbers with one row per record: .*Line #3"),
+])
+def test_a_malformed_tabular_file_is_refused_by_name(tmp_path, name, write, match):
+    path = tmp_path / name
+    write(path)
+    with pytest.raises(ValueError, match=match):
+        cl.load_tabular(path)
 
 
 def test_tabular_nan_refused(tmp_path):

@@ -11,6 +11,7 @@ import dataclasses
 import gzip
 import hashlib
 import struct
+import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -340,7 +341,9 @@ def read_idx(path: Union[str, Path]) -> np.ndarray:
     dims = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
     data = np.frombuffer(raw, dtype=dtypes[dtype_code], offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
-        raise ValueError(f"{path}: expected {int(np.prod(dims))} values, found {data.size}")
+        declared = f"shape {tuple(dims)}" if ndim <= 4 else f"{ndim} dimensions"
+        raise ValueError(f"{path}: its IDX header declares {declared} ({int(np.prod(dims))} values) but the file "
+                         f"holds {data.size}: cut short, damaged, or not an IDX file; download it again")
     return data.reshape(dims)
 
 
@@ -541,15 +544,28 @@ def load_tabular(
     """
     p = Path(path)
     if p.suffix == ".npz":
-        with np.load(p, allow_pickle=False) as arrays:
-            if "X" not in arrays or "y" not in arrays:
-                raise ValueError(f"{p} must contain arrays 'X' and 'y'")
-            x, y = arrays["X"].astype(np.float64), arrays["y"]
+        try:
+            with np.load(p, allow_pickle=False) as arrays:
+                if "X" not in arrays or "y" not in arrays:
+                    raise ValueError(f"{p} must contain arrays 'X' and 'y'")
+                x, y = arrays["X"].astype(np.float64), arrays["y"]
+        except (OSError, EOFError, zipfile.BadZipFile, ValueError) as err:
+            if "must contain arrays" in str(err):
+                raise
+            # numpy reads a file that is no zip archive as a pickle, and refuses it as one: its message says pickle
+            raise ValueError(f"{p} is not a readable .npz file (a zip archive of numeric arrays X and y, "
+                             f"{type(err).__name__})") from None
     elif p.suffix == ".csv":
         with open(p) as fh:
             header = fh.readline().strip().split(",")
         has_header = any(not _is_number(h) for h in header)
-        table = np.genfromtxt(p, delimiter=",", skip_header=1 if has_header else 0, dtype=np.float64)
+        if header == [""]:
+            raise ValueError(f"{p} is empty")
+        try:
+            table = np.genfromtxt(p, delimiter=",", skip_header=1 if has_header else 0, dtype=np.float64)
+        except ValueError as err:  # rows of different lengths
+            raise ValueError(f"{p.name} is not a table of numbers with one row per record: "
+                             f"{' '.join(str(err).split())[:160]}") from None
         table = np.atleast_2d(table)
         width = table.shape[1]
         if isinstance(label_column, str):
@@ -572,6 +588,8 @@ def load_tabular(
     if y.shape != (x.shape[0],):
         raise ValueError(f"y of {p.name} must hold one label per record ({x.shape[0]}), got shape {y.shape}")
     check_finite(x, f"features of {p.name}")
+    if y.dtype.kind not in "biuf":
+        raise ValueError(f"labels of {p.name} must be integers, got {y.dtype} values such as {y.flat[0]!r}")
     if y.dtype.kind == "f":
         if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
             raise ValueError(f"labels of {p.name} must be integers")
