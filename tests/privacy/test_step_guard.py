@@ -562,6 +562,42 @@ def test_a_resume_of_the_optimizer_alone_keeps_composing_its_steps():
         other.load_state_dict(saved_opt)
 
 
+def test_a_saved_optimizer_state_is_a_snapshot_and_a_loaded_one_stays_the_callers():
+    """torch's ``state_dict`` holds the live momentum and its ``load_state_dict`` keeps the given tensors as the live
+    state. A state saved after step 1 and kept in memory therefore moved with step 2 while its accountant history
+    stayed at 1 step: a resume from it built on step 2's gradient without counting it. And a state loaded into one
+    run moved with that run's steps, so a second resume from it took them in too (found by the random loops of
+    test_loop_sequences.py: save, resume, step, resume from the same save)."""
+    def momentum(o):
+        return [o.original_optimizer.state[p]["momentum_buffer"].clone() for p in o.bound_engine.model.parameters()]
+
+    def sgd(params, lr):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    model, opt, loss, engine, _, loader = _setup_with_loader(optimizer_cls=sgd)
+    batches = iter(loader)
+
+    def step(model, opt, batches):
+        opt.zero_grad()
+        bx, by = next(batches)
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+
+    step(model, opt, batches)
+    saved_model, saved, at_save = copy.deepcopy(model.state_dict()), opt.state_dict(), momentum(opt)
+    step(model, opt, batches)
+    assert engine.accountant.steps == 2 and not torch.equal(momentum(opt)[0], at_save[0])
+    in_saved = lambda: [saved["optimizer"]["state"][i]["momentum_buffer"] for i in range(len(at_save))]
+    assert all(torch.equal(a, b) for a, b in zip(in_saved(), at_save))  # the save's momentum, not step 2's
+    for _ in range(2):  # two resumes from the one state kept in memory, each followed by a step
+        model, opt, loss, engine, _, loader = _setup_with_loader(optimizer_cls=sgd)
+        model.load_state_dict(saved_model)
+        opt.load_state_dict(saved)
+        assert engine.accountant.steps == 1 and all(torch.equal(a, b) for a, b in zip(momentum(opt), at_save))
+        step(model, opt, iter(loader))
+        assert all(torch.equal(a, b) for a, b in zip(in_saved(), at_save))
+
+
 @pytest.mark.parametrize("how", ["hand_update", "another_runs_model", "older_version"])
 def test_a_resume_takes_only_the_model_its_state_released(how):
     """Loading an optimizer state took whatever the model held then as released: an update by hand from training

@@ -671,7 +671,9 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         optimizer's state is not as the last step left it (a resume would take it as released)."""
         self._check_inner_state()
         return {
-            "optimizer": self.original_optimizer.state_dict(),
+            # a copy: torch's state_dict holds the live momentum, which later steps would move in the saved dict
+            # while its accountant history stays at this step (a resume from it would build on unaccounted steps)
+            "optimizer": copy.deepcopy(self.original_optimizer.state_dict()),
             "noise_generator": saved_generator_state(self.generator),
             # the steps the inner state comes from: a resume that loads it goes on composing them
             "accountant": self.accountant.state_dict(),
@@ -718,7 +720,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                               "multiplier and rate; resume with the noise plan the state was saved with, or give "
                               "noise_multiplier without a target epsilon or epochs")
         self._check_resumed_model(state.get("released_state"))
-        self.original_optimizer.load_state_dict(state["optimizer"])
+        # a copy: torch keeps the given tensors as the live state, whose steps would then move the caller's dict
+        self.original_optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self._released_inner = snapshot_optimizer_state(self.original_optimizer)
         resume_generator(self.generator, state["noise_generator"])
         if saved is not None and self.accountant.steps == 0:
