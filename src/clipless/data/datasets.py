@@ -546,15 +546,15 @@ def load_tabular(
     if p.suffix == ".npz":
         try:
             with np.load(p, allow_pickle=False) as arrays:
-                if "X" not in arrays or "y" not in arrays:
-                    raise ValueError(f"{p} must contain arrays 'X' and 'y'")
-                x, y = arrays["X"].astype(np.float64), arrays["y"]
+                found = {"X", "y"} <= set(arrays.files)
+                if found:
+                    x, y = arrays["X"].astype(np.float64), arrays["y"]
         except (OSError, EOFError, zipfile.BadZipFile, ValueError) as err:
-            if "must contain arrays" in str(err):
-                raise
             # numpy reads a file that is no zip archive as a pickle, and refuses it as one: its message says pickle
             raise ValueError(f"{p} is not a readable .npz file (a zip archive of numeric arrays X and y, "
                              f"{type(err).__name__})") from None
+        if not found:
+            raise ValueError(f"{p} must contain arrays 'X' and 'y'")
     elif p.suffix == ".csv":
         with open(p) as fh:
             header = fh.readline().strip().split(",")

@@ -162,24 +162,32 @@ def check_accounted_steps(accountant_state: Dict[str, Any], steps: Any, path: An
     under-report epsilon from the resumed run on.  ``mechanism``: the ``(noise multiplier, sample rate)`` that
     every step of the run composes (its noise plan's): a history holding steps at another (a larger multiplier, a
     smaller rate) would report a lower epsilon for the same steps."""
-    accountant = PrivacyAccountant(accountant_state.get("mechanism", "pld"))
-    accountant.load_state_dict(accountant_state)
+    accountant = _loaded(accountant_state)
     if not is_whole(steps) or accountant.steps != steps:
         raise ValueError(f"checkpoint {path}: its accountant composed {accountant.steps} steps but the run records "
                          f"{steps!r} released steps; resume from an intact checkpoint or restart training")
     if mechanism is not None:
-        check_composed_at(accountant_state, mechanism, f"checkpoint {path}",
+        _check_history_at(accountant.history, mechanism, f"checkpoint {path}",
                           "its epsilon would not be that of the steps released; resume from an intact checkpoint")
+
+
+def _loaded(accountant_state: Dict[str, Any]) -> "PrivacyAccountant":
+    """A saved accountant state, validated as live steps are (a stored history is an untrusted claim)."""
+    accountant = PrivacyAccountant(accountant_state.get("mechanism", "pld"))
+    accountant.load_state_dict(accountant_state)
+    return accountant
 
 
 def check_composed_at(accountant_state: Dict[str, Any], mechanism: Tuple[float, float], what: str, fix: str) -> None:
     """Every step of a saved accountant history composed at ``mechanism``, the ``(noise multiplier, sample rate)``
     of the run that resumes it: a budget counted in steps of its plan (``NoisePlan.max_steps``) holds only for
     steps at that plan's mechanism, and a run's config names its mechanism for all of its steps."""
-    accountant = PrivacyAccountant(accountant_state.get("mechanism", "pld"))
-    accountant.load_state_dict(accountant_state)  # validated as live steps are
+    _check_history_at(_loaded(accountant_state).history, mechanism, what, fix)
+
+
+def _check_history_at(history: Sequence[tuple], mechanism: Tuple[float, float], what: str, fix: str) -> None:
     sigma_plan, rate_plan = float(mechanism[0]), float(mechanism[1])
-    for sigma, rate, count in accountant.history:
+    for sigma, rate, count in history:
         if (sigma, rate) != (sigma_plan, rate_plan):
             raise ValueError(f"{what}: its accountant composed {count} step(s) at noise multiplier {sigma!r} and "
                              f"sample rate {rate!r}, where every step of this run has {sigma_plan!r} and "
