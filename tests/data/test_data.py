@@ -253,13 +253,14 @@ def test_held_out_data_stored_in_the_training_tensors_memory_is_refused():
 def test_held_out_data_that_shares_training_records_refused():
     """A score on held-out data is released without noise: data that is, copies or overlaps the training records
     (through Subset views of one dataset) is refused; disjoint splits and the real test split pass."""
-    from torch.utils.data import Subset, random_split
+    from torch.utils.data import ConcatDataset, Subset, random_split
 
     data = cl.load_digits()
     fit, validation = random_split(data.train, [0.8, 0.2], generator=torch.Generator().manual_seed(0))
     check_held_out(fit, validation)
     check_held_out(data.train, data.test)
     check_held_out(Subset(data.train, [0, 1]), Subset(Subset(data.train, [5, 6, 7]), [1]))
+    check_held_out(ConcatDataset([fit, data.test]), ConcatDataset([validation]))
     copy = cl.ArrayDataset(data.train.features.clone(), data.train.labels.clone())
     for train, held_out, match in [
         (data.train, data.train, "is the training data"),
@@ -267,6 +268,10 @@ def test_held_out_data_that_shares_training_records_refused():
         (fit, Subset(data.train, [fit.indices[3], validation.indices[0]]), "shares 1 records"),
         (Subset(data.train, [0, 1, 2]), Subset(Subset(data.train, [9, 2]), [1]), "shares 1 records"),
         (data.train, validation, "shares 287 records"),
+        # the training data as one part of a ConcatDataset, on either side (not looked into before)
+        (data.train, ConcatDataset([data.test, data.train]), "is the training data"),
+        (ConcatDataset([data.train, data.test]), Subset(data.train, [4]), "shares 1 records"),
+        (data.train, ConcatDataset([data.test, ConcatDataset([validation, data.test])]), "shares 287 records"),
     ]:
         with pytest.raises(ValueError, match=match):
             check_held_out(train, held_out)

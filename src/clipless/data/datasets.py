@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from ..privacy.certified import is_whole, whole_number
 
@@ -82,6 +82,11 @@ def check_held_out(train: Dataset, held_out: Optional[Dataset], what: str = "tes
     if held_out is train:
         raise ValueError(f"{what} is the training data: its score would be released without noise; pass a "
                          "held-out split")
+    for concat, other, training in ((held_out, train, False), (train, held_out, True)):
+        if isinstance(concat, ConcatDataset):  # each part on its own (the training data as one part of it, say)
+            for part in concat.datasets:
+                check_held_out(part if training else other, other if training else part, what)
+            return
     fingerprints = [getattr(d, "fingerprint", None) for d in (train, held_out)]
     if (all(callable(f) for f in fingerprints) and len(train) == len(held_out)  # type: ignore[arg-type]
             and fingerprints[0]() == fingerprints[1]()):  # type: ignore[misc]
