@@ -20,6 +20,7 @@ from .distributed import (DistributedPoissonBatchSampler, all_gather_objects, ch
 from .input_guard import (DATA_BOUND_REFUSAL, INPUT_BOUND_TOLERANCE, InputGuard, above_data_bound, all_finite,
                           digest_seed, row_digests, use_digest_seed)
 from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanisms
+from .noise import check_secure_flag
 from .optimizer import DPOptimizer
 from .randomness import check_generator
 from .sampling import (dataset_size, expected_batch_size, in_memory_records, loader_parts, poisson_data_loader,
@@ -216,9 +217,9 @@ class PrivacyEngine(DeclaredConstants):
         """
         self.check_accountant()
         # switches and generators as given: a truthy string ("no") or an int would read as a choice
-        for value, name in ((external_batches, "external_batches"), (check_records, "check_records"),
-                            (secure_noise, "secure_noise")):
+        for value, name in ((external_batches, "external_batches"), (check_records, "check_records")):
             check_flag(value, name)
+        check_secure_flag(secure_noise)  # here too, before any record is read
         check_flag(distributed, "distributed", optional=True)
         check_flag(progress, "progress", optional=True)
         check_generator(noise_generator, "noise_generator")
