@@ -343,6 +343,7 @@ class Loop(RuleBasedStateMachine):
             # the optimizer took the model as it holds it as released (its digests matched), with the saved momentum
             # and the steps that made them
             self.released, self.momentum = self._weights(), momentum
+            self.momentum_edited = not self._at_momentum()  # the loaded state replaced an edit made before it
             assert self.engine.accountant.steps == steps, ("a resume did not go on composing its steps", self.trace)
 
     @precondition(lambda self: self.saved is not None)
