@@ -235,6 +235,15 @@ class Loop(RuleBasedStateMachine):
         self._try("repeated_row", lambda: self.loss.per_example(self.model(x), y).sum().backward())
         self.honest = False
 
+    @precondition(lambda self: self.batches and len(self.batches[-1][1]) >= 2)
+    @rule()
+    def backward_mixed(self):
+        """Mixup in the loop: every row a mix of two records of the latest batch."""
+        bx, by = self.batches[-1]
+        x = 0.5 * (bx + bx.roll(1, 0))
+        self._try("mixed", lambda: self.loss.per_example(self.model(x), by).sum().backward())
+        self.honest = False
+
     @precondition(lambda self: len(self.batches) >= 2 and len(self.batches[-2][1]) > 0)
     @rule(whole=st.booleans())
     def backward_earlier_batch(self, whole):

@@ -254,6 +254,7 @@ def test_augmented_copies_with_their_multiplicity_and_sub_batches_are_accepted()
         bx, by = next(iter(loader))
         bx, by = bx[:rows], by[:rows]
         opt.zero_grad()
+        opt.derived_rows_(torch.cat([bx, -bx]))  # the copies the loop made, one per example and copy
         per_row = loss.per_example(model(torch.cat([bx, -bx])), torch.cat([by, by]))
         per_row.view(2, -1).mean(0).sum().backward()
         opt.step()
@@ -432,12 +433,52 @@ def test_rows_repeated_no_more_than_the_batch_holds_them_are_accepted(how):
             bx, by = bx[perm], by[perm]
         elif how in ("normalized", "duplicate_records_normalized"):
             bx = 0.5 * bx
+            opt.derived_rows_(bx)  # a row-wise transform in the loop, declared
         if k == 2:
             loss.per_example(model(torch.cat([bx, bx])), torch.cat([by, by])).view(2, -1).mean(0).sum().backward()
         else:
             loss.per_example(model(bx), by).sum().backward()
         opt.step()
     assert engine.accountant.steps == 3
+
+
+def _mixed(bx, how):
+    """Rows of the drawn batch mixed across records by the loop, as many as drawn."""
+    if how == "mixup":  # each row a convex combination of two records
+        return 0.7 * bx + 0.3 * bx.roll(1, 0)
+    if how == "batch_mean_subtracted":  # every row moves with every record
+        return 0.5 * (bx - bx.mean(0, keepdim=True))  # halved: within the input bound
+    if how == "one_row_mixed":  # one row of the batch mixed with another, the rest as drawn
+        return torch.cat([0.5 * (bx[:1] + bx[1:2]), bx[1:]])
+    return bx * (1 - 1e-6)  # a row-wise rescaling made without saying so: refused the same way
+
+
+@pytest.mark.parametrize("how", ["mixup", "batch_mean_subtracted", "one_row_mixed", "undeclared_rescaling"])
+def test_rows_mixed_from_several_records_refused(how):
+    """A row mixed from two records (mixup in the loop) or a batch statistic subtracted from every row carries
+    several records: removing one moves several rows' gradients, beyond the certified per-example bound. No digest
+    tells a mixed row from a row-wise transform of one record, so every forward row must be a drawn row or one the
+    loop declared with derived_rows_; a row made without saying so is refused, naming both fixes."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    for bx, by in loader:
+        if len(bx) >= 2:
+            break
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+    opt.zero_grad()
+    loss.per_example(model(_mixed(bx, how)), by).sum().backward()
+    message = _refused(opt, engine, "neither a row of the batch drawn from the private loader nor one declared")
+    assert "mixup" in message and "__getitem__" in message and "derived_rows_" in message
+    # declared, the same rows are the loop's own statement that each is made from one record, and pass
+    for bx, by in loader:
+        opt.zero_grad()
+        x = _mixed(bx, how) if len(bx) >= 2 else bx
+        opt.derived_rows_(x)
+        loss.per_example(model(x), by).sum().backward()
+        opt.step()
+        break
+    assert engine.accountant.steps >= 1
 
 
 def test_row_digests_use_the_same_weights_on_every_device():
@@ -475,6 +516,31 @@ def test_row_digests_depend_only_on_a_rows_bytes(dtype, shape):
     before = row_digests(edited)
     edited[0] = edited[1]  # in place: a digest kept for the tensor must not be reused
     assert row_digests(edited)[0] == before[1]
+
+
+def test_a_float64_row_that_float32_holds_is_digested_as_its_float32_record():
+    """A batch cast to a float64 model is the same records: each such row gets its float32 digest, row by row, so
+    a part of a batch that mixes exact and inexact rows digests as the whole does; a row float32 cannot hold (or a
+    NaN) keeps its own."""
+    from clipless.privacy.input_guard import row_digests
+
+    gen = torch.Generator().manual_seed(4)
+    single = torch.randn(30, 5, generator=gen)
+    assert torch.equal(row_digests(single.double()), row_digests(single))
+    mixed = single.double()
+    mixed[::3, 0] += 1e-12  # rows 0, 3, 6, ... no longer float32 values
+    digests = row_digests(mixed)
+    exact = torch.ones(30, dtype=torch.bool)
+    exact[::3] = False
+    assert torch.equal(digests[exact], row_digests(single)[exact])
+    assert not torch.isin(digests[~exact], row_digests(single)).any()
+    # parts: all exact, none exact, a mix
+    assert torch.equal(row_digests(mixed[1:3].clone()), digests[1:3])
+    assert torch.equal(row_digests(mixed[:1].clone()), digests[:1])
+    assert torch.equal(row_digests(mixed[2:8].clone()), digests[2:8])
+    nan = single.double()
+    nan[0, 0] = float("nan")
+    assert row_digests(nan)[0] != row_digests(single)[0]
 
 
 def test_row_digests_are_exact_integer_sums():

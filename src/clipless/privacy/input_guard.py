@@ -58,7 +58,7 @@ __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm
            "global_hooks_registered", "module_hooks", "active_torch_mode", "saved_tensor_hooks_active",
            "replaced_forward", "redefined_call_path", "CLASS_CALL_PATH",
            "check_precision", "row_digests", "batch_row_digests", "digest_seed", "use_digest_seed", "rows_repeated",
-           "undrawn_records",
+           "undrawn_records", "rows_not_drawn",
            "backward_pass_id",
            "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound", "all_finite"]
 
@@ -120,11 +120,12 @@ def _digest_weights(cols: int, bits: int, forms: int, device: torch.device) -> T
 
 
 def row_digests(x: torch.Tensor) -> torch.Tensor:
-    """One int64 per row of ``x`` that depends only on the row's bytes, read as integers ``b`` (8, 16 or 32 bits):
-    ``m`` random integer forms ``w . b``, mixed.  Each form is a float64 matrix product whose partial sums are
-    integers below ``2^52``, hence exact in any summation order: equal rows get equal digests in any position
-    or batch.  Two distinct rows agree on a form with probability at most ``2^-k`` (``k`` bits per weight,
-    ``m k >= 32``)."""
+    """One int64 per row of ``x`` that depends only on the row's values: its bytes, read as integers ``b`` (8, 16
+    or 32 bits), ``m`` random integer forms ``w . b``, mixed; a float64 row that float32 holds exactly is digested
+    as float32 (a cast of the batch to a float64 model is the same record).  Each form is a float64 matrix product
+    whose partial sums are integers below ``2^52``, hence exact in any summation order: equal rows get equal
+    digests in any position or batch.  Two distinct rows agree on a form with probability at most ``2^-k`` (``k``
+    bits per weight, ``m k >= 32``)."""
     n = int(x.shape[0]) if x.dim() else 0
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=x.device)
@@ -134,6 +135,24 @@ def row_digests(x: torch.Tensor) -> torch.Tensor:
     flat = x.detach().contiguous().reshape(n, -1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(n, -1)
+    if flat.dtype == torch.float64:
+        single = flat.to(torch.float32)
+        exact = (single.to(torch.float64) == flat).all(1)  # NaN is never exact: its row keeps its float64 bytes
+        if bool(exact.all()):
+            digests = _byte_digests(single)
+        else:
+            digests = _byte_digests(flat)
+            if bool(exact.any()):
+                digests[exact] = _byte_digests(single[exact])
+    else:
+        digests = _byte_digests(flat)
+    _RECENT_DIGESTS.insert(0, (weakref.ref(x), x._version, x.data_ptr(), digests))
+    del _RECENT_DIGESTS[4:]
+    return digests
+
+
+def _byte_digests(flat: torch.Tensor) -> torch.Tensor:
+    """:func:`row_digests` of the rows of a 2-D tensor, from their bytes."""
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     if flat.element_size() == 1:
@@ -148,10 +167,7 @@ def row_digests(x: torch.Tensor) -> torch.Tensor:
         raise BoundError(f"rows of {cols} values are too long for exact row digests")
     weights, mixers = _digest_weights(cols, bits, -(-32 // bits), ints.device)
     forms = (ints.to(torch.float64) @ weights).to(torch.int64)  # exact integers
-    digests = (forms * mixers).sum(1)  # int64 arithmetic wraps modulo 2^64
-    _RECENT_DIGESTS.insert(0, (weakref.ref(x), x._version, x.data_ptr(), digests))
-    del _RECENT_DIGESTS[4:]
-    return digests
+    return (forms * mixers).sum(1)  # int64 arithmetic wraps modulo 2^64
 
 
 def batch_row_digests(batch: Any) -> List[Tuple[Tuple[int, ...], torch.Tensor]]:
@@ -193,6 +209,19 @@ def undrawn_records(inputs: torch.Tensor, references: Sequence[torch.Tensor], re
         if ref.numel():
             undrawn &= ~torch.isin(values, ref)
     return bool(undrawn.any())
+
+
+def rows_not_drawn(inputs: torch.Tensor, references: Sequence[torch.Tensor]) -> bool:
+    """Whether a row that entered the forwards (``inputs``: their row digests) is in none of the reference tensors
+    (the drawn batch's rows and the rows declared as made from them): a row the loop made without saying so."""
+    if inputs.numel() == 0:
+        return False
+    values = torch.unique(inputs)
+    known = torch.zeros_like(values, dtype=torch.bool)
+    for ref in references:
+        if ref.numel():
+            known |= torch.isin(values, ref)
+    return not bool(known.all())
 
 
 def largest_norm(x: torch.Tensor, bound: float) -> float:

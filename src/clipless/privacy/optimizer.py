@@ -28,7 +28,8 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import InputGuard, StepGuard, row_digests, rows_repeated, undrawn_records, unwatched
+from .input_guard import (InputGuard, StepGuard, row_digests, rows_not_drawn, rows_repeated, undrawn_records,
+                          unwatched)
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
 from .randomness import check_generator, resume_generator, saved_generator_state, secret_generator
@@ -465,6 +466,13 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "used at every such step; train on the rows of the loader's batches (a transform in the "
                              "loop that maps a drawn record to another record's exact values looks the same: apply "
                              "it in the Dataset)")
+        if rows_not_drawn(seen, references):
+            raise BoundError("a row that entered the private model's forwards is neither a row of the batch drawn "
+                             "from the private loader nor one declared as made from it: a row mixed from several "
+                             "records (mixup, a batch mean or other batch statistic subtracted) carries each of them, "
+                             "beyond the certified per-example bound; transform each record alone, in the Dataset's "
+                             "__getitem__, or declare the rows your loop made each from one drawn record with "
+                             "dp_optimizer.derived_rows_(x) before their forward")
         if self._record_digests is None and drawn_rows:
             chunks = self._drawn_before
             chunks.append(torch.unique(torch.cat(drawn_rows)))
