@@ -244,6 +244,14 @@ class Loop(RuleBasedStateMachine):
         self._try("mixed", lambda: self.loss.per_example(self.model(x), by).sum().backward())
         self.honest = False
 
+    @precondition(lambda self: self.batches and len(set(self.batches[-1][1].tolist())) >= 2)
+    @rule()
+    def backward_labels_rolled(self):
+        """Labels shifted one row apart from their inputs: a record's label in another example's loss."""
+        bx, by = self.batches[-1]
+        self._try("labels_rolled", lambda: self.loss.per_example(self.model(bx), by.roll(1)).sum().backward())
+        self.honest = False
+
     @precondition(lambda self: len(self.batches) >= 2 and len(self.batches[-2][1]) > 0)
     @rule(whole=st.booleans())
     def backward_earlier_batch(self, whole):

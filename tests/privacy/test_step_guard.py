@@ -49,6 +49,18 @@ def _setup_with_loader(lr=0.1, noise=1.0, loss=None, model=None, optimizer_cls=t
     return model, opt, loss, engine, data, loader
 
 
+def _honest_steps_until(opt, loss, model, loader, wanted):
+    """Honest steps on the loader's batches until one satisfies ``wanted(bx, by)`` (a Poisson batch's size is
+    secret: a slip needs a few rows); that batch is drawn, not stepped."""
+    for bx, by in loader:
+        if wanted(bx, by):
+            return bx, by
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+    raise AssertionError("the loader's epoch ended before the wanted batch")
+
+
 def _refused(opt, engine, match, released=None):
     """The step raises a BoundError naming the slip and the fix; nothing is released or accounted, and the model
     holds the weights it last released (``released``, by default the weights as they are before the step)."""
@@ -323,12 +335,7 @@ def test_training_records_the_batch_does_not_hold_refused(slip):
     checks them, for data in memory or read) now tell them apart from transformed rows."""
     model, opt, loss, engine, data, loader = _setup_with_loader(
         data_wrapper=_RecordsReadOneByOne if slip == "not_in_memory" else None)
-    for bx, by in loader:
-        if len(bx) >= 2:
-            break
-        opt.zero_grad()
-        loss.per_example(model(bx), by).sum().backward()
-        opt.step()
+    bx, by = _honest_steps_until(opt, loss, model, loader, lambda bx, by: len(bx) >= 2)
     drawn = {tuple(r.tolist()) for r in bx}
     undrawn = [j for j in range(len(data)) if tuple(data.features[j].tolist()) not in drawn]
     opt.zero_grad()
@@ -460,12 +467,7 @@ def test_rows_mixed_from_several_records_refused(how):
     tells a mixed row from a row-wise transform of one record, so every forward row must be a drawn row or one the
     loop declared with derived_rows_; a row made without saying so is refused, naming both fixes."""
     model, opt, loss, engine, _, loader = _setup_with_loader()
-    for bx, by in loader:
-        if len(bx) >= 2:
-            break
-        opt.zero_grad()
-        loss.per_example(model(bx), by).sum().backward()
-        opt.step()
+    bx, by = _honest_steps_until(opt, loss, model, loader, lambda bx, by: len(bx) >= 2)
     opt.zero_grad()
     loss.per_example(model(_mixed(bx, how)), by).sum().backward()
     message = _refused(opt, engine, "neither a row of the batch drawn from the private loader nor one declared")
@@ -479,6 +481,63 @@ def test_rows_mixed_from_several_records_refused(how):
         opt.step()
         break
     assert engine.accountant.steps >= 1
+
+
+@pytest.mark.parametrize("how", ["shuffled", "rolled", "one_label_for_all", "one_row_relabelled"])
+def test_labels_taken_from_other_records_refused(how):
+    """A row's loss target is part of its record: labels shuffled apart from their inputs, or one record's label
+    given to every row, put one record into several examples' losses (removing it moves each), beyond the
+    per-example bound. Checked on (input, label) digest pairs against the drawn batch's."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    bx, by = _honest_steps_until(opt, loss, model, loader, lambda bx, by: len(bx) >= 2 and len(set(by.tolist())) >= 2)
+    opt.zero_grad()
+    first_other = int((by != by[0]).nonzero()[0])
+    ys = {"shuffled": by.flip(0), "rolled": by.roll(1),
+          "one_label_for_all": by[:1].expand_as(by).clone(),
+          "one_row_relabelled": torch.cat([by[first_other:first_other + 1], by[1:]])}[how]
+    if how in ("shuffled", "rolled") and torch.equal(ys, by):  # a batch whose labels read the same either way
+        ys = torch.cat([by[first_other:first_other + 1], by[1:]])
+    loss.per_example(model(bx), ys).sum().backward()
+    message = _refused(opt, engine, "entered the loss with another label than its record's")
+    assert "Dataset" in message
+
+
+def test_labels_as_drawn_in_another_integer_type_or_with_their_rows_permuted_are_accepted():
+    """The label by value (a uint8 copy of int64 labels is the same label); inputs and labels permuted together;
+    two equal inputs of the data with different labels may swap them (the same records); declared rows are the
+    loop's word and keep any label."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    for i, (bx, by) in enumerate(loader):
+        opt.zero_grad()
+        perm = torch.randperm(len(bx))
+        x, y = (bx, by.to(torch.uint8)) if i == 0 else (bx[perm], by[perm]) if i == 1 else (0.5 * bx, by.flip(0))
+        if i == 2:
+            opt.derived_rows_(x)
+        loss.per_example(model(x), y).sum().backward()
+        opt.step()
+        if i == 2:
+            break
+    torch.manual_seed(0)
+    model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    x = _dataset_with_duplicate_records().features[:24]
+    data = cl.ArrayDataset(torch.cat([x, x]), torch.cat([torch.zeros(24), torch.ones(24)]).long())
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, loss=loss,
+        noise_multiplier=1.0, input_shape=SHAPE, batch_size=40.0, input_bound=1.0)
+    for bx, by in loader:  # each input twice in the data, with labels 0 and 1: swapping them keeps the records
+        pairs = {}
+        for j, row in enumerate(bx):
+            pairs.setdefault(tuple(row.tolist()), []).append(j)
+        y = by.clone()
+        for rows in pairs.values():
+            if len(rows) == 2:
+                y[rows] = by[rows].flip(0)
+        opt.zero_grad()
+        loss.per_example(model(bx), y).sum().backward()
+        opt.step()
+        break
+    assert engine.accountant.steps == 1
 
 
 def test_row_digests_use_the_same_weights_on_every_device():

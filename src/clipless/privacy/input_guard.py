@@ -122,10 +122,10 @@ def _digest_weights(cols: int, bits: int, forms: int, device: torch.device) -> T
 def row_digests(x: torch.Tensor) -> torch.Tensor:
     """One int64 per row of ``x`` that depends only on the row's values: its bytes, read as integers ``b`` (8, 16
     or 32 bits), ``m`` random integer forms ``w . b``, mixed; a float64 row that float32 holds exactly is digested
-    as float32 (a cast of the batch to a float64 model is the same record).  Each form is a float64 matrix product
-    whose partial sums are integers below ``2^52``, hence exact in any summation order: equal rows get equal
-    digests in any position or batch.  Two distinct rows agree on a form with probability at most ``2^-k`` (``k``
-    bits per weight, ``m k >= 32``)."""
+    as float32 (a cast of the batch to a float64 model is the same record), integers and booleans as floats.  Each
+    form is a float64 matrix product whose partial sums are integers below ``2^52``, hence exact in any summation
+    order: equal rows get equal digests in any position or batch.  Two distinct rows agree on a form with
+    probability at most ``2^-k`` (``k`` bits per weight, ``m k >= 32``)."""
     n = int(x.shape[0]) if x.dim() else 0
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=x.device)
@@ -135,6 +135,12 @@ def row_digests(x: torch.Tensor) -> torch.Tensor:
     flat = x.detach().contiguous().reshape(n, -1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(n, -1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    if not flat.is_floating_point():  # integers by value: class 3 is the same label in int32, int64 or as 3.0
+        wide = flat.to(torch.float64)
+        if flat.element_size() < 8 or bool((wide.to(flat.dtype) == flat).all()):  # beyond 2^53: by bytes
+            flat = wide
     if flat.dtype == torch.float64:
         single = flat.to(torch.float32)
         exact = (single.to(torch.float64) == flat).all(1)  # NaN is never exact: its row keeps its float64 bytes
@@ -464,7 +470,7 @@ class _ForwardRecord:
     """One gradient-recording forward of the private model, until its backward reaches the output."""
 
     __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked", "changed", "digests",
-                 "task", "entry")
+                 "labels", "task", "entry")
 
     def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str],
                  digests: Optional[torch.Tensor], changed: Optional[str] = None,
@@ -474,6 +480,7 @@ class _ForwardRecord:
         self.hooked = hooked  # why the forward may not compute what the bounds describe (hooks), or None
         self.changed = changed  # why the model at the forward differs from the bounds' (a constant, a buffer), or None
         self.digests = digests  # row_digests of the forward's input
+        self.labels: Optional[torch.Tensor] = None  # row_digests of the targets its loss was given, row for row
         self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
         self.losses: List[Any] = []  # the clipless losses applied to this output
@@ -498,14 +505,19 @@ class _Tap(torch.autograd.Function):
         return grad, None
 
 
-def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tensor], torch.Tensor],
+             target: Any = None) -> torch.Tensor:
     """``per_example(logits)`` of the clipless ``loss``, watched by the step guard when ``logits`` is a guarded
-    model's output.  Called by every :class:`~clipless.privacy.modules.LipschitzLoss`; one attribute look-up otherwise.
+    model's output (``target``: the labels, one row per example, digested for the step's row checks).  Called by
+    every :class:`~clipless.privacy.modules.LipschitzLoss`; one attribute look-up otherwise.
     """
     record = getattr(logits, _RECORD_ATTR, None)
     if record is None or not logits.requires_grad:
         return per_example(logits)
     record.losses.append(loss)
+    if (record.digests is not None and isinstance(target, torch.Tensor) and target.dim() >= 1
+            and target.shape[0] == logits.shape[0]):
+        record.labels = row_digests(target)
     values = per_example(_Tap.apply(logits, record.add_loss_grad))  # the gradient the loss sends to the logits
     if values.dim() != 1 or values.shape[0] != logits.shape[0]:
         # the shape without the batch size: a Poisson batch's size is secret
@@ -685,6 +697,7 @@ class StepGuard:
         # backward -> (sum over its rows of ||output gradient|| / L, rows with a nonzero output gradient, rows)
         self._mass: Dict[int, Tuple[float, int, int]] = {}
         self._digests: Dict[int, List[torch.Tensor]] = {}  # backward -> row digests of the inputs of its forwards
+        self._labels: Dict[int, List[Optional[torch.Tensor]]] = {}  # backward -> their loss targets' digests
         self._violation: Optional[str] = None
 
     def remove(self) -> None:
@@ -849,6 +862,7 @@ class StepGuard:
                                 rows + int(norms.numel()))
             if record.digests is not None:
                 self._digests.setdefault(task, []).append(record.digests)
+                self._labels.setdefault(task, []).append(record.labels)
             return
         self._problem(why)
 
@@ -975,6 +989,16 @@ class StepGuard:
         """Row digests of the inputs of the forwards whose backward this step releases (micro-batches joined)."""
         parts = [d for task in self._released for d in self._digests.get(task, [])]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def released_labelled_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Row digests of the inputs and of the loss targets, row for row, of the released forwards whose loss was
+        given one target row per example."""
+        parts = [(d, t) for task in self._released
+                 for d, t in zip(self._digests.get(task, []), self._labels.get(task, [])) if t is not None]
+        if not parts:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty
+        return torch.cat([d for d, _ in parts]), torch.cat([t.to(d.device) for d, t in parts])
 
     def finish_step(self, params: Sequence[torch.Tensor], weights: Optional[List[torch.Tensor]] = None) -> None:
         """After a released step: clear the gradients and start the next step.  ``weights``: copies of

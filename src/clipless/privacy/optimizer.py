@@ -65,6 +65,11 @@ def changed_state(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tenso
                   if name not in current or name not in saved or not same(current[name], saved[name]))
 
 
+def _pair_digests(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One int64 per (row digest, label digest) pair (int64 arithmetic wraps modulo 2^64)."""
+    return rows * 0x5851F42D4C957F2D + labels
+
+
 def check_fresh_optimizer(optimizer: torch.optim.Optimizer, given_to: str, resume: str) -> None:
     """Refuse an optimizer that has stepped already: its momentum or moments came from gradients without noise
     and would move every released step (the private steps only own what they add to the state)."""
@@ -473,12 +478,39 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "beyond the certified per-example bound; transform each record alone, in the Dataset's "
                              "__getitem__, or declare the rows your loop made each from one drawn record with "
                              "dp_optimizer.derived_rows_(x) before their forward")
+        self._check_labels(loader, k)
         if self._record_digests is None and drawn_rows:
             chunks = self._drawn_before
             chunks.append(torch.unique(torch.cat(drawn_rows)))
             while len(chunks) > 1 and 2 * len(chunks[-1]) >= len(chunks[-2]):  # sizes halve: log-many to search
                 last = chunks.pop()
                 chunks[-1] = torch.unique(torch.cat([chunks[-1], last]))
+
+    def _check_labels(self, loader: PoissonDataLoader, k: int) -> None:
+        """Each drawn row's loss target must be its own record's label: one record's label given to other rows (the
+        labels shuffled apart from the inputs, one label for all) reaches several examples' losses.  Checked on
+        ``(input, label)`` digest pairs against the drawn batch's, where the batch is inputs and one label tensor;
+        rows the loop declared (:meth:`derived_rows_`) are its own word and are not checked."""
+        shape = self.bound_engine.input_shape
+        leaves = loader.last_batch_digests
+        inputs = [d for row_shape, d in leaves if row_shape == shape]
+        labels = [d for row_shape, d in leaves if row_shape != shape]
+        if len(inputs) != 1 or len(labels) != 1 or inputs[0].shape != labels[0].shape:
+            return
+        seen, targets = self.guard.released_labelled_rows()
+        seen, targets = seen.cpu(), targets.cpu()
+        checked = torch.ones_like(seen, dtype=torch.bool)
+        if self._derived[0] == loader.batches_drawn:
+            for rows in self._derived[1]:
+                checked &= ~torch.isin(seen, rows.cpu())
+        pairs = _pair_digests(seen[checked], targets[checked])
+        drawn = _pair_digests(inputs[0].cpu(), labels[0].cpu())
+        if rows_not_drawn(pairs, [drawn]) or rows_repeated(pairs, [drawn], k):
+            raise BoundError("a row of the batch entered the loss with another label than its record's in the batch "
+                             "drawn from the private loader: one record's label given to other rows (labels "
+                             "shuffled apart from their inputs, one label for all) reaches several examples' losses, "
+                             "beyond the certified per-example bound; give each row its own record's label as the "
+                             "loader yields it (a relabelling of each record belongs in the Dataset)")
 
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_model_state(self.bound_engine.model))
