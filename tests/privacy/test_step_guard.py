@@ -577,6 +577,20 @@ def test_row_digests_depend_only_on_a_rows_bytes(dtype, shape):
     assert row_digests(edited)[0] == before[1]
 
 
+def test_rows_beyond_refuses_unknown_values_and_repeats_past_k_times_the_reference():
+    from clipless.privacy.input_guard import rows_beyond
+
+    ref = torch.tensor([5, 7, 7, -3])
+    assert not rows_beyond(torch.tensor([7, 5, -3, 7]), ref, 1)  # the reference permuted
+    assert not rows_beyond(torch.zeros(0, dtype=torch.long), ref, 1)
+    assert rows_beyond(torch.tensor([5, 5]), ref, 1)  # 5 is there once
+    assert not rows_beyond(torch.tensor([5, 5, 7, 7, 7, 7]), ref, 2)
+    assert rows_beyond(torch.tensor([5, 5, 5]), ref, 2)
+    assert rows_beyond(torch.tensor([6]), ref, 3)  # never there
+    assert rows_beyond(torch.tensor([6]), torch.zeros(0, dtype=torch.long), 1)
+    assert rows_beyond(torch.tensor([2**62]), ref, 1)  # past the reference's largest value
+
+
 def test_a_float64_row_that_float32_holds_is_digested_as_its_float32_record():
     """A batch cast to a float64 model is the same records: each such row gets its float32 digest, row by row, so
     a part of a batch that mixes exact and inexact rows digests as the whole does; a row float32 cannot hold (or a

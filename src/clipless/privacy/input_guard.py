@@ -58,7 +58,7 @@ __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm
            "global_hooks_registered", "module_hooks", "active_torch_mode", "saved_tensor_hooks_active",
            "replaced_forward", "redefined_call_path", "CLASS_CALL_PATH",
            "check_precision", "row_digests", "batch_row_digests", "digest_seed", "use_digest_seed", "rows_repeated",
-           "undrawn_records", "rows_not_drawn",
+           "undrawn_records", "rows_not_drawn", "rows_beyond",
            "backward_pass_id",
            "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound", "all_finite"]
 
@@ -228,6 +228,20 @@ def rows_not_drawn(inputs: torch.Tensor, references: Sequence[torch.Tensor]) -> 
         if ref.numel():
             known |= torch.isin(values, ref)
     return not bool(known.all())
+
+
+def rows_beyond(inputs: torch.Tensor, reference: torch.Tensor, k: int) -> bool:
+    """Whether some value of ``inputs`` is not in ``reference`` or is there more than ``k`` times as often as in
+    ``reference`` (both digests)."""
+    if inputs.numel() == 0:
+        return False
+    if reference.numel() == 0:
+        return True
+    values, counts = torch.unique(inputs, return_counts=True)
+    known, known_counts = torch.unique(reference, return_counts=True)
+    where = torch.searchsorted(known, values).clamp_max(len(known) - 1)
+    allowed = torch.where(known[where] == values, k * known_counts[where], torch.zeros_like(counts))
+    return bool((counts > allowed).any())
 
 
 def largest_norm(x: torch.Tensor, bound: float) -> float:

@@ -28,8 +28,8 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import (InputGuard, StepGuard, row_digests, rows_not_drawn, rows_repeated, undrawn_records,
-                          unwatched)
+from .input_guard import (InputGuard, StepGuard, row_digests, rows_beyond, rows_not_drawn, rows_repeated,
+                          undrawn_records, unwatched)
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
 from .randomness import check_generator, resume_generator, saved_generator_state, secret_generator
@@ -505,7 +505,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 checked &= ~torch.isin(seen, rows.cpu())
         pairs = _pair_digests(seen[checked], targets[checked])
         drawn = _pair_digests(inputs[0].cpu(), labels[0].cpu())
-        if rows_not_drawn(pairs, [drawn]) or rows_repeated(pairs, [drawn], k):
+        if rows_beyond(pairs, drawn, k):
             raise BoundError("a row of the batch entered the loss with another label than its record's in the batch "
                              "drawn from the private loader: one record's label given to other rows (labels "
                              "shuffled apart from their inputs, one label for all) reaches several examples' losses, "
