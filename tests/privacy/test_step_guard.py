@@ -499,7 +499,17 @@ def test_labels_taken_from_other_records_refused(how):
         ys = torch.cat([by[first_other:first_other + 1], by[1:]])
     loss.per_example(model(bx), ys).sum().backward()
     message = _refused(opt, engine, "entered the loss with another label than its record's")
-    assert "Dataset" in message
+    assert "Dataset" in message and "derived_rows_" in message
+    # the model's own predictions as targets (computed from each row alone) pass once declared with their rows
+    bx, by = _honest_steps_until(opt, loss, model, loader, lambda bx, by: len(bx) >= 1)
+    opt.zero_grad()
+    with torch.no_grad():
+        predicted = model(bx).argmax(1)
+    opt.derived_rows_(bx)
+    steps = engine.accountant.steps
+    loss.per_example(model(bx), predicted).sum().backward()
+    opt.step()
+    assert engine.accountant.steps == steps + 1
 
 
 def test_labels_as_drawn_in_another_integer_type_or_with_their_rows_permuted_are_accepted():

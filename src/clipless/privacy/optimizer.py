@@ -510,7 +510,9 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "drawn from the private loader: one record's label given to other rows (labels "
                              "shuffled apart from their inputs, one label for all) reaches several examples' losses, "
                              "beyond the certified per-example bound; give each row its own record's label as the "
-                             "loader yields it (a relabelling of each record belongs in the Dataset)")
+                             "loader yields it (a relabelling of each record belongs in the Dataset; labels the loop "
+                             "computes from each row alone, such as the model's predictions, are declared with their "
+                             "rows: dp_optimizer.derived_rows_(x))")
 
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_model_state(self.bound_engine.model))
