@@ -158,9 +158,7 @@ def row_digests(x: torch.Tensor) -> torch.Tensor:
 
 
 def _byte_digests(flat: torch.Tensor) -> torch.Tensor:
-    """:func:`row_digests` of the rows of a 2-D tensor, from their bytes."""
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
+    """:func:`row_digests` of the rows of a 2-D tensor (no booleans), from their bytes."""
     if flat.element_size() == 1:
         ints, magnitude = flat.view(torch.uint8), 8
     elif flat.element_size() >= 4 and flat.shape[1] * flat.element_size() // 4 <= 2**11:
