@@ -252,6 +252,16 @@ class Loop(RuleBasedStateMachine):
         self._try("labels_rolled", lambda: self.loss.per_example(self.model(bx), by.roll(1)).sum().backward())
         self.honest = False
 
+    @precondition(lambda self: self.batches and len(self.batches[-1][1]) >= 2
+                  and min(self.batches[-1][1].tolist().count(c) for c in self.batches[-1][1].tolist()) >= 2)
+    @rule()
+    def backward_max(self):
+        """Only the largest loss backpropagated: which example counts depends on the others (every label twice in
+        the batch, so some example of the max's label gets weight 0)."""
+        bx, by = self.batches[-1]
+        self._try("max", lambda: self.loss.per_example(self.model(bx), by).max().backward())
+        self.honest = False
+
     @precondition(lambda self: len(self.batches) >= 2 and len(self.batches[-2][1]) > 0)
     @rule(whole=st.booleans())
     def backward_earlier_batch(self, whole):

@@ -550,6 +550,36 @@ def test_labels_as_drawn_in_another_integer_type_or_with_their_rows_permuted_are
     assert engine.accountant.steps == 1
 
 
+@pytest.mark.parametrize("how", ["max", "trimmed", "softmax_weights", "first_rows_by_position"])
+def test_loss_weights_that_depend_on_other_examples_refused(how):
+    """Which example gets which weight may not depend on the others: under max(), a sum without the largest losses,
+    softmax weights or a selection by position, one added record moves the weight (or the selection) onto another
+    example, a change of up to twice the certified bound. Such weights differ between examples of one label;
+    weights by label alone (class weights) and the sum or mean pass."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    def shared_labels(bx, by):  # every label at least twice, and one in both halves: the refusal is certain
+        labels = by.tolist()
+        half = len(labels) // 2
+        return len(labels) >= 4 and min(labels.count(c) for c in labels) >= 2 and bool(
+            set(labels[:half]) & set(labels[half:]))
+
+    bx, by = _honest_steps_until(opt, loss, model, loader, shared_labels)
+    opt.zero_grad()
+    values = loss.per_example(model(bx), by)
+    reduce = {"max": lambda v: v.max(), "trimmed": lambda v: v.sort()[0][:-1].sum(),
+              "softmax_weights": lambda v: (v * torch.softmax(v.detach(), 0)).sum(),
+              "first_rows_by_position": lambda v: v[: len(v) // 2].sum()}[how]
+    reduce(values).backward()
+    message = _refused(opt, engine, "different weights for examples of the same label")
+    assert "sum()" in message
+    class_weights = torch.tensor([1.0, 0.25, 0.5])
+    for reduce in (lambda v, y: (v * class_weights[y]).sum(), lambda v, y: v.mean(), lambda v, y: v.sum()):
+        bx, by = next(iter(loader))
+        opt.zero_grad()
+        reduce(loss.per_example(model(bx), by), by).backward()
+        opt.step()
+
+
 def test_row_digests_use_the_same_weights_on_every_device():
     """The loader digests its batch on the CPU and the step digests the forward's rows where they run: on a GPU the
     weights were drawn afresh per device, so no row of a CUDA forward ever matched the batch and the row checks

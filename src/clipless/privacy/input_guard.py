@@ -242,6 +242,22 @@ def rows_beyond(inputs: torch.Tensor, reference: torch.Tensor, k: int) -> bool:
     return bool((counts > allowed).any())
 
 
+def _uneven_within_labels(weights: torch.Tensor, labels: Optional[torch.Tensor]) -> bool:
+    """Whether two rows of one forward with equal labels (all rows, without labels) enter the backward with
+    different loss weights."""
+    w = weights.detach().reshape(-1)
+    if bool((w == w[0]).all()):
+        return False
+    if labels is None or labels.shape[0] != w.numel():
+        return True
+    _, group = torch.unique(labels.reshape(w.numel(), -1).to(w.device), dim=0, return_inverse=True)
+    low = torch.full((int(group.max()) + 1,), math.inf, dtype=w.dtype, device=w.device)
+    high = torch.full_like(low, -math.inf)
+    low = low.scatter_reduce(0, group, w, "amin")
+    high = high.scatter_reduce(0, group, w, "amax")
+    return bool((low != high).any())
+
+
 def largest_norm(x: torch.Tensor, bound: float) -> float:
     """Largest per-example L2 norm, exact enough to compare with ``bound``.
 
@@ -536,7 +552,10 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
         raise BoundError("a clipless loss must return one value per example, got "
                          + (f"per-example shape {tuple(values.shape[1:])}" if values.dim() > 1 else
                             "a scalar" if values.dim() == 0 else "another number of values than of examples"))
-    return _Tap.apply(values, record.guard._loss_weights)  # the weight each loss enters the gradient with
+    # the weight each loss enters the gradient with, against the labels as the loss read them
+    rows = target.detach().clone() if isinstance(target, torch.Tensor) and target.dim() >= 1 and \
+        target.shape[0] == logits.shape[0] else None
+    return _Tap.apply(values, lambda weights: record.guard._loss_weights(weights, rows))
 
 
 _WATCH_ATTR = "_clipless_watch"
@@ -793,9 +812,16 @@ class StepGuard:
     def _problem(self, why: str) -> None:
         self._problems.setdefault(backward_pass_id(), why)
 
-    def _loss_weights(self, weights: torch.Tensor) -> None:
+    def _loss_weights(self, weights: torch.Tensor, labels: Optional[torch.Tensor] = None) -> None:
         if weights.numel() == 0:
             return
+        if _uneven_within_labels(weights, labels):
+            self._problem("the per-example losses of one forward entered the backward with different weights for "
+                          "examples of the same label (max(), a top-k or trimmed sum, weights normalized over the "
+                          "batch, a selection by position): which example gets which weight then depends on the "
+                          "other examples, so one added record moves several examples' gradients, beyond the "
+                          "certified bound; backpropagate loss.per_example(model(x), y).sum() (or the mean; "
+                          "weights that depend on the label alone pass)")
         largest = float(weights.abs().max())  # never shown: a mean's weight 1/|B| is a Poisson batch's secret size
         k = self.rows_per_example
         if k > 1:  # augmentation multiplicity: rows of one example share the weight 1
