@@ -815,13 +815,6 @@ class StepGuard:
     def _loss_weights(self, weights: torch.Tensor, labels: Optional[torch.Tensor] = None) -> None:
         if weights.numel() == 0:
             return
-        if _uneven_within_labels(weights, labels):
-            self._problem("the per-example losses of one forward entered the backward with different weights for "
-                          "examples of the same label (max(), a top-k or trimmed sum, weights normalized over the "
-                          "batch, a selection by position): which example gets which weight then depends on the "
-                          "other examples, so one added record moves several examples' gradients, beyond the "
-                          "certified bound; backpropagate loss.per_example(model(x), y).sum() (or the mean; "
-                          "weights that depend on the label alone pass)")
         largest = float(weights.abs().max())  # never shown: a mean's weight 1/|B| is a Poisson batch's secret size
         k = self.rows_per_example
         if k > 1:  # augmentation multiplicity: rows of one example share the weight 1
@@ -844,6 +837,14 @@ class StepGuard:
                 "the per-example losses enter the backward with weights below 1 (a mean or a "
                 "scaled loss): the noise is calibrated to the SUM of per-example gradients, so this wastes privacy "
                 "budget; backpropagate loss.per_example(model(x), y).sum()", stacklevel=2)
+        # after the checks of the largest weight, whose refusals name the weight
+        if _uneven_within_labels(weights, labels):
+            self._problem("the per-example losses of one forward entered the backward with different weights for "
+                          "examples of the same label (max(), a top-k or trimmed sum, weights normalized over the "
+                          "batch, a selection by position): which example gets which weight then depends on the "
+                          "other examples, so one added record moves several examples' gradients, beyond the "
+                          "certified bound; backpropagate loss.per_example(model(x), y).sum() (or the mean; "
+                          "weights that depend on the label alone pass)")
 
     def _output_grad(self, record: _ForwardRecord, grad: torch.Tensor) -> None:
         loss_grad, record.loss_grad = record.loss_grad, None
