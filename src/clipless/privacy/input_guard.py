@@ -543,18 +543,18 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
     if record is None or not logits.requires_grad:
         return per_example(logits)
     record.losses.append(loss)
-    if (record.digests is not None and isinstance(target, torch.Tensor) and target.dim() >= 1
-            and target.shape[0] == logits.shape[0]):
-        record.labels = row_digests(target)
+    # the labels as the loss reads them, one row per example: for the step's row checks and the weights' below
+    rows = target.detach().clone() if isinstance(target, torch.Tensor) and target.dim() >= 1 and \
+        target.shape[0] == logits.shape[0] else None
+    if rows is not None and record.digests is not None:
+        record.labels = row_digests(rows)
     values = per_example(_Tap.apply(logits, record.add_loss_grad))  # the gradient the loss sends to the logits
     if values.dim() != 1 or values.shape[0] != logits.shape[0]:
         # the shape without the batch size: a Poisson batch's size is secret
         raise BoundError("a clipless loss must return one value per example, got "
                          + (f"per-example shape {tuple(values.shape[1:])}" if values.dim() > 1 else
                             "a scalar" if values.dim() == 0 else "another number of values than of examples"))
-    # the weight each loss enters the gradient with, against the labels as the loss read them
-    rows = target.detach().clone() if isinstance(target, torch.Tensor) and target.dim() >= 1 and \
-        target.shape[0] == logits.shape[0] else None
+    # the weight each loss enters the gradient with, against its rows' labels
     return _Tap.apply(values, lambda weights: record.guard._loss_weights(weights, rows))
 
 
