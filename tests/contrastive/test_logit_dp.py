@@ -527,6 +527,36 @@ def test_sensitivity_holds_for_every_removed_pair(loss: str, tau: float) -> None
     assert worst > 0.05  # the test exercises the bound, not a vacuous corner
 
 
+@pytest.mark.parametrize("method", ["logit_dp", "naive_dp"])
+def test_the_sensitivity_holds_in_float32_at_clip_norms_where_it_underflows(method: str) -> None:
+    """Below float32's normal range rounding is absolute: at clip norms of 1e-45 to 1e-44 a removed pair moved the
+    Logit-DP gradient by up to 2.5x its sensitivity, and the Naive-DP gradient clipped to C came out 1.2x C, before
+    the sensitivities got their underflow term."""
+    worst = 0.0
+    for trial in range(12):
+        gen = torch.Generator().manual_seed(trial)
+        n = 2 + trial % 5
+        enc = _mlp(trial, dims=(12, 32, 32, 8), act=nn.ReLU, scale=3.0, dtype=torch.float32)
+        xa = torch.randn(n, 12, generator=gen)
+        xb = xa + 0.1 * torch.randn(n, 12, generator=gen)
+        clip = (1e-44, 1e-45, 3e-45)[trial % 3]
+        if method == "naive_dp":
+            bound = naive_dp_sensitivity(clip)
+            gbar = lambda a, b: (naive_dp_gradient(enc, a, b, "contrastive", 1.0, clip), _grad_vector(enc))[1]
+        else:
+            bound = logit_dp_sensitivity(clip, 1.0, "contrastive")
+            gbar = lambda a, b: _gbar(enc, a, b, "contrastive", 1.0, clip)
+        full = gbar(xa, xb).double()
+        if method == "naive_dp":  # the whole clipped gradient: within C, half the sensitivity 2C
+            assert float(full.norm()) <= bound / 2, (trial, float(full.norm()) / clip)
+        for k in range(n):
+            keep = [i for i in range(n) if i != k]
+            ratio = float((full - gbar(xa[keep], xb[keep]).double()).norm()) / bound
+            worst = max(worst, ratio)
+            assert ratio <= 1, (trial, k, ratio)
+    assert worst > 0  # the gradients are not all rounded away
+
+
 def test_contrastive_sensitivity_values() -> None:
     # tau = 1: Delta_inf = 2 B (1 + e^2); Delta_1 = 2B (the single pair's row only); increasing in n.
     assert logit_dp_sensitivity(1.0, 1.0) == pytest.approx(2 * (1 + math.e**2))

@@ -259,6 +259,32 @@ def test_loss_gradient_clip_caps_the_bound():
     check(clipped, (8,), radius=1.0, loss=loss)
 
 
+@pytest.mark.parametrize("case", ["clip 1e-44", "clip 1e-45", "inputs 3e-45", "weights 3e-45", "conv clip 1e-44"])
+def test_bounds_hold_where_float32_underflows(case):
+    """Below float32's normal range, rounding is absolute (up to 2^-150 per product): at a loss-gradient clip of
+    1e-44 the true per-example gradients came out 1.1-3.2x their bounds before every bound got its underflow term."""
+    torch.manual_seed(3)
+    shape, radius = ((1, 8, 8), 2.0) if case.startswith("conv") else ((12,), 2.0)
+    if case.startswith("conv"):
+        model = nn.Sequential(cl.LipschitzConv2d(1, 4, 3, padding=1), cl.MaxMin(), *head(4 * 8 * 8))
+    else:
+        projection = "spectral" if case.startswith("weights") else "bjorck"
+        model = nn.Sequential(cl.LipschitzLinear(12, 16, projection=projection), cl.MaxMin(),
+                              cl.LipschitzLinear(16, 16, projection=projection), cl.MaxMin(),
+                              cl.LipschitzLinear(16, CLASSES, projection=projection))
+    loss = cl.TauCrossEntropy(tau=4.0)
+    BoundEngine(model, shape, radius, loss.lipschitz).project_()
+    if case.startswith("weights"):
+        with torch.no_grad():
+            model[-1].weight.mul_(3e-45)  # within its norm ball: the layers before get gradient bounds of ~3e-45
+    if "clip" in case:
+        model.append(cl.LossGradientClip(float(case.split()[-1])))
+    if case.startswith("inputs"):
+        radius = 3e-45
+    worst = worst_gradient_ratios(model, loss, shape, radius, CLASSES, n_random=64, n_adversarial=0)
+    assert max(worst.values()) <= 1 + TOL, worst
+
+
 def test_cnn_model_bounds():
     model = cl.lipschitz_cnn((1, 8, 8), CLASSES, channels=(4, 6), input_clip=1.0)
     check(model, (1, 8, 8), radius=3.0)

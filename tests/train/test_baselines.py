@@ -5,11 +5,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import clipless as cl
 from clipless.privacy.accounting import compute_epsilon
 from clipless.train import baselines
-from clipless.train.baselines import (draw_noise_unbounded, standard_cnn, standard_mlp, train_dpsgd,
+from clipless.train.baselines import (dpsgd_noise_std, draw_noise_unbounded, standard_cnn, standard_mlp, train_dpsgd,
                                       train_nonprivate)
 
 pytest.importorskip("opacus")
@@ -100,6 +102,40 @@ def test_dpsgd_noise_reaches_past_torchs_float32_bound(digits, monkeypatch):
                     delta=1e-5, max_grad_norm=1.0, target_epsilon=3.0, progress=False, secure_noise="yes")
     with pytest.raises(TypeError, match="DPOptimizer"):
         draw_noise_unbounded(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_dpsgd_noise_covers_opacus_clipping_where_float32_underflows(monkeypatch):
+    """Opacus clips in float32: at a clip norm C of 1e-45 to 1e-44 an example's clipped gradient came out up to
+    2.8x C, while the noise was sigma C.  The noise now covers the clipped norms (C + 2^-64)."""
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def opacus_optimizer(model, x, clip):
+        loader = DataLoader(TensorDataset(x, torch.zeros(len(x))), batch_size=len(x))
+        return PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
+            noise_multiplier=1.5, max_grad_norm=clip, poisson_sampling=False, noise_generator=torch.Generator())[:2]
+
+    worst = 0.0
+    for seed in range(12):
+        torch.manual_seed(seed)
+        clip = (1e-44, 1e-45, 3e-45)[seed % 3]
+        x, y = torch.randn(1, 8), torch.randint(0, 3, (1,))
+        model, opt = opacus_optimizer(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), x, clip)
+        F.cross_entropy(model(x), y).backward()
+        opt.clip_and_accumulate()  # one example: its clipped gradient
+        norm = float(torch.cat([p.summed_grad.double().flatten() for p in opt.params]).norm())
+        worst = max(worst, norm / clip)
+        assert norm <= dpsgd_noise_std(1.5, clip) / 1.5, (seed, norm / clip)
+    assert worst > 1  # Opacus' clipped norm does exceed C there
+    # and the baseline adds that noise: zero inputs, so the gradient is the noise alone (a draw of 1 here)
+    monkeypatch.setattr(baselines, "gaussian", lambda shape, *args: torch.ones(shape))
+    model, opt = opacus_optimizer(nn.Linear(4, 1, bias=False), torch.zeros(8, 4), 1e-30)
+    draw_noise_unbounded(opt)
+    model(torch.zeros(8, 4)).sum().backward()
+    opt.step()
+    assert float(model._module.weight.grad[0, 0]) * 8 == pytest.approx(dpsgd_noise_std(1.5, 1e-30), rel=1e-6)
+    assert dpsgd_noise_std(1.5, 1e-30) > 1e4 * 1.5 * 1e-30
 
 
 def test_dpsgd_with_huge_noise_does_not_learn(digits):

@@ -29,7 +29,7 @@ from torch.nn.modules.utils import _pair
 
 from ..privacy.certified import whole_number
 from ..privacy.accounting import check_positive_finite
-from ..privacy.certified import ieee_matmul
+from ..privacy.certified import UNDERFLOW_MARGIN, ieee_matmul
 from ..privacy.input_guard import (active_torch_mode, check_precision, global_hooks_registered, module_hooks,
                                    replaced_forward, saved_tensor_hooks_active)
 
@@ -147,6 +147,7 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
     """
     _check_loss(loss, tau)
     _check_clip_norm(clip_norm, "B")
+    clip_norm += UNDERFLOW_MARGIN  # float32's absolute rounding below its normal range (certified.UNDERFLOW_MARGIN)
     if loss == "spreadout":
         return 6.0 * clip_norm
     if loss == "spectral":
@@ -173,7 +174,7 @@ def logit_dp_sensitivity(clip_norm: float, tau: float, loss: str = "contrastive"
 def naive_dp_sensitivity(clip_norm: float) -> float:
     """Whole-batch gradient clipped to ``C``: add/remove one pair moves it by at most ``2C`` (not ``C``)."""
     _check_clip_norm(clip_norm, "C")
-    return 2.0 * clip_norm
+    return 2.0 * (clip_norm + UNDERFLOW_MARGIN)  # float32's absolute rounding below its normal range
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ gradient of the loss w.r.t. the layer output has norm ``<= G_out``.
 The engine runs
 
     X_d = out_bound_d(X_{d-1})                  (forward)
-    g_d = G_d * c_d                             (per parameter tensor)
+    g_d = G_d * c_d + 2^-64                     (per parameter tensor; the term covers float32 underflow)
     G_{d-1} = l_d * min(G_d, cap_d)             (backward)
 
 over ``nn.Sequential`` and :class:`~clipless.privacy.modules.Residual` graphs, starting
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .certified import BoundError, DeclaredConstants, is_whole
+from .certified import UNDERFLOW_MARGIN, BoundError, DeclaredConstants, is_whole
 from .input_guard import (CLASS_CALL_PATH, global_hooks_registered, module_hooks, redefined_call_path,
                           replaced_forward)
 from .modules import BoundedModule, LayerBound, PerStepMechanism, Residual
@@ -669,7 +669,8 @@ class BoundEngine(DeclaredConstants):
             if pname not in lb.param_factors:
                 raise BoundError(f"layer '{self._names[id(module)]}' declares no bound for parameter '{pname}'")
             params.append(param)
-            bounds.append(g_eff * lb.param_factors[pname])
+            factor = lb.param_factors[pname]
+            bounds.append(g_eff * factor + UNDERFLOW_MARGIN if g_eff > 0 and factor > 0 else 0.0)
         if params:
             out.append(
                 LayerSensitivity(

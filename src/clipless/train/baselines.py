@@ -25,14 +25,15 @@ from ..data.datasets import check_held_out
 from ..nn.models import build_lr_schedule, build_optimizer
 from ..privacy.accounting import PrivacyAccountant, check_delta
 from ..privacy.calibration import plan_noise, planned_steps
+from ..privacy.certified import UNDERFLOW_MARGIN
 from ..privacy.noise import check_secure_flag, gaussian
 from ..privacy.randomness import make_generator, randomness_label
 from ..privacy.sampling import (check_physical_batch_size, loader_parts, physical_batches, poisson_data_loader,
                                 step_progress)
 from .evaluation import collect_outputs, predictions
 
-__all__ = ["BaselineResult", "standard_mlp", "standard_cnn", "draw_noise_unbounded", "train_dpsgd", "train_nonprivate",
-           "predict_scores"]
+__all__ = ["BaselineResult", "standard_mlp", "standard_cnn", "dpsgd_noise_std", "draw_noise_unbounded", "train_dpsgd",
+           "train_nonprivate", "predict_scores"]
 
 
 def standard_mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (256, 256)) -> nn.Sequential:
@@ -105,10 +106,16 @@ def predict_scores(model: nn.Module, data: Dataset, batch_size: int = 4096) -> D
     return out
 
 
+def dpsgd_noise_std(noise_multiplier: float, max_grad_norm: float) -> float:
+    """``sigma (C + 2^-64)``: the clipped sum's add/remove sensitivity is ``C`` in exact arithmetic; Opacus clips in
+    float32, where below the normal range rounding is absolute (a clip of 1e-44 gave clipped gradients of 1.2 C), and
+    the term covers it (:data:`~clipless.privacy.certified.UNDERFLOW_MARGIN`)."""
+    return noise_multiplier * (max_grad_norm + UNDERFLOW_MARGIN)
+
+
 def draw_noise_unbounded(optimizer: Any, secure: bool = False) -> Any:
     """Make an Opacus ``DPOptimizer`` draw its noise from :func:`~clipless.privacy.noise.gaussian` (Gaussian tails
-    without a bound; ``secure``: its sum of 4 draws), with its own generator and scale
-    ``noise_multiplier * max_grad_norm``.
+    without a bound; ``secure``: its sum of 4 draws), with its own generator and scale :func:`dpsgd_noise_std`.
 
     Opacus draws ``torch.normal``, whose float32 CPU draws never exceed 5.77 standard deviations: a coordinate past
     that from one neighbour's clipped sum proves the other, outside the epsilon the baseline reports.  Opacus still
@@ -129,7 +136,7 @@ def draw_noise_unbounded(optimizer: Any, secure: bool = False) -> Any:
             opacus_add_noise()
         finally:
             optimizer.noise_multiplier = sigma
-        std = sigma * optimizer.max_grad_norm
+        std = dpsgd_noise_std(sigma, optimizer.max_grad_norm)
         for p in optimizer.params:
             p.grad.add_(gaussian(p.grad.shape, optimizer.generator, p.grad.device, p.grad.dtype, secure), alpha=std)
 
