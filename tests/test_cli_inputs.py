@@ -227,6 +227,27 @@ def test_pretrain_settings_get_the_train_commands_checks(tmp_path, flag, value, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["train", "--channels", "64"], "--channels"),  # the mlp: these ran as if not given, result.json listing them
+    (["train", "--patch-size", "2"], "--patch-size"),
+    (["train", "--loss", "hinge", "--tau", "3"], "--tau"),
+    (["train", "--count-noise-multiplier", "3"], "--count-noise-multiplier"),
+    (["train", "--augment-shift", "3"], "--augment-shift"),
+    (["train", "--augment-flip"], "--augment-flip"),
+    (["train", "--method", "nonprivate", "--noise-multiplier", "2"], "--noise-multiplier"),
+    (["train", "--method", "nonprivate", "--noise-seed", "3"], "--noise-seed"),
+    (["train", "--method", "dpsgd", "--model", "cnn", "--patch-size", "2"], "--patch-size"),
+    (["pretrain", "--channels", "8"], "--channels"),
+    (["pretrain", "--method", "nonprivate", "--clip-norm", "2"], "--clip-norm"),
+    (["pretrain", "--method", "nonprivate", "--noise-multiplier", "2"], "--noise-multiplier"),
+    (["pretrain", "--method", "nonprivate", "--secure-noise"], "--secure-noise"),
+])
+def test_settings_nothing_reads_are_refused(tmp_path, argv, flag):
+    out = tmp_path / "o"
+    _refused([*argv, "--no-progress", "--output-dir", str(out)], f"{flag} would not be used: ")
+    assert not out.exists()
+
+
 def test_kl_to_delta_is_clamped_and_vacuity_said():
     with pytest.warns(UserWarning, match="vacuous"):
         assert klp.kl_to_delta(4.68) == 1.0  # sqrt(4.68 / 2) = 1.53 before

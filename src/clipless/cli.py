@@ -669,6 +669,27 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     for flag, used in clipless_only.items():
         if used and config["method"] != "clipless":
             raise SystemExit(f"{flag} is an option of clipless training, not of --method {config['method']}")
+    # Likewise a setting the chosen model, loss or option would not read ("--channels 64" for the mlp would be
+    # reported in result.json's config as if the run had used it).
+    unread = {"--channels": (config["model"] == "mlp" and list(config["channels"]) != list(DEFAULTS["channels"]),
+                             "the mlp has no convolutions (its widths are --hidden)"),
+              "--patch-size": (config["model"] != "mixer" and config["patch_size"] != DEFAULTS["patch_size"],
+                               f"it is the mixer's patch side, and the model is {config['model']}"),
+              "--tau": (config["loss"] != "tau_ce" and config["tau"] != DEFAULTS["tau"],
+                        f"it is the temperature of --loss tau_ce, not of --loss {config['loss']}"),
+              "--count-noise-multiplier": (config["adaptive_clip_quantile"] is None
+                                           and config["count_noise_multiplier"] is not None,
+                                           "it is the adaptive clip's count noise: give --adaptive-clip-quantile"),
+              "--augment-shift": (config["augmult"] == 1 and config["augment_shift"] != DEFAULTS["augment_shift"],
+                                  "augmented copies are made with --augmult K > 1 only"),
+              "--augment-flip": (config["augmult"] == 1 and bool(config["augment_flip"]),
+                                 "augmented copies are made with --augmult K > 1 only")}
+    if config["method"] == "nonprivate":  # (--epsilon, --delta and --accountant pass: scripts give every method them)
+        for flag, key in (("--noise-multiplier", "noise_multiplier"), ("--noise-seed", "noise_seed")):
+            unread[flag] = (config[key] != DEFAULTS[key], "--method nonprivate adds no noise")
+    for flag, (given, why) in unread.items():
+        if given:
+            raise SystemExit(f"{flag} would not be used: {why}")
     if config["model"] == "mlp" and not config["hidden"] and config["activation"] != DEFAULTS["activation"]:
         raise SystemExit(f"--activation {config['activation']}: the mlp has no hidden layer (--hidden is empty), "
                          "so no activation would be used; give --hidden widths or drop --activation")
@@ -880,6 +901,17 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
             raise SystemExit(f"{flag}: {err}") from None
     if args.cross_term != "exact" and args.method != "logit_dp":  # read by Logit-DP's pair norms alone
         raise SystemExit(f"--cross-term is an option of --method logit_dp, not of --method {args.method}")
+    # a setting nothing of this run reads is refused, not dropped (result.json would report it as used)
+    defaults = vars(_parser().parse_args(["pretrain"]))
+    unread = {"--channels": (args.encoder == "mlp" and args.channels != defaults["channels"],
+                             "the mlp encoder has no convolutions (its widths are --hidden)")}
+    if args.method == "nonprivate":
+        for flag, key in (("--clip-norm", "clip_norm"), ("--noise-multiplier", "noise_multiplier"),
+                          ("--secure-noise", "secure_noise")):
+            unread[flag] = (getattr(args, key) != defaults[key], "--method nonprivate clips nothing and adds no noise")
+    for flag, (given, why) in unread.items():
+        if given:
+            raise SystemExit(f"{flag} would not be used: {why}")
     try:
         AugmentedPairs.check_settings(args.blur, args.pixel_noise)
     except ValueError as err:
