@@ -343,18 +343,21 @@ class Loop(RuleBasedStateMachine):
 
     @rule()
     def save(self):
-        """A checkpoint; refused (the momentum put back) where the momentum was edited by hand."""
-        edited, saved = self.momentum_edited, None
+        """A checkpoint; refused where the momentum (put back) or the weights (put back if the momentum was not
+        refused first) were edited by hand since the last release."""
+        edited, weights_edited, saved = self.momentum_edited, not self._at_released(), None
 
         def run():
             nonlocal saved
             saved = (copy.deepcopy(self.opt.state_dict()), copy.deepcopy(self.model.state_dict()), self.momentum,
                      self.engine.accountant.steps)
         if self._try("save", run):
-            assert not edited, ("a checkpoint saved a momentum edited by hand", self.trace)
+            assert not edited and not weights_edited, ("a checkpoint saved a state edited by hand", self.trace)
             self.saved = saved
         else:
-            assert edited and self._at_momentum(), ("a refused save without an edit, or not put back", self.trace)
+            assert (edited or weights_edited) and self._at_momentum(), (
+                "a refused save without an edit, or not put back", self.trace)
+            assert edited or self._at_released(), ("a refused save did not put the weights back", self.trace)
             self.momentum_edited = False
 
     @precondition(lambda self: self.saved is not None)

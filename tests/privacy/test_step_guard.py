@@ -1694,6 +1694,50 @@ def test_weights_changed_between_steps_are_refused_and_put_back(how):
     assert engine.accountant.steps == 2
 
 
+@pytest.mark.parametrize("release", ["state_dict", "pickle", "state_dict_of_a_container"])
+@pytest.mark.parametrize("how", ["by_hand", "load_state_dict"])
+def test_weights_changed_after_the_last_step_are_refused_when_the_model_is_saved(how, release):
+    """A last update by hand after the loop (or weights loaded from elsewhere) was written by
+    ``torch.save(model.state_dict())`` or ``torch.save(model)`` without a word: no step came after it to refuse it.
+    The model's state_dict and pickle now refuse a model that is not as the last step released it, and put that
+    back; a deep copy is an ordinary model, which post-processing may change."""
+    import io
+
+    model, opt, loss, engine, x, y = _setup()
+    loss.per_example(model(x), y).sum().backward()
+    opt.step()
+    released = [p.detach().clone() for p in model.parameters()]
+    for name in ("state_dict", "pickle"):  # as released: both pass
+        torch.save(model.state_dict() if name == "state_dict" else model, io.BytesIO())
+    edited = copy.deepcopy(model)
+    loss.per_example(model(x), y).sum().backward()
+    with torch.no_grad():
+        if how == "by_hand":
+            for p in model.parameters():
+                p -= 0.1 * p.grad  # the batch's gradient, no noise
+        else:
+            model.load_state_dict({k: v + 0.1 if isinstance(v, torch.Tensor) else v
+                                   for k, v in copy.deepcopy(model).state_dict().items()})
+    with pytest.raises(BoundError, match="model.state_dict.. or a pickle of the model: weights of the private model "
+                                         "changed outside the private step") as info:
+        if release == "state_dict":
+            model.state_dict()
+        elif release == "pickle":
+            torch.save(model, io.BytesIO())
+        else:
+            nn.ModuleDict({"net": model}).state_dict()
+    assert "0.weight" in str(info.value) and "copy.deepcopy(model)" in str(info.value)
+    assert all(torch.equal(a, p) for a, p in zip(released, model.parameters()))  # put back
+    torch.save(model.state_dict(), io.BytesIO())
+    with torch.no_grad():  # a deep copy is an ordinary model: pruning it is post-processing of the release
+        edited[0].weight[edited[0].weight.abs() < 0.1] = 0
+    torch.save(edited.state_dict(), io.BytesIO())
+    opt.zero_grad()
+    loss.per_example(model(x), y).sum().backward()  # the loop goes on from the released weights
+    opt.step()
+    assert engine.accountant.steps == 2
+
+
 @pytest.mark.parametrize("how", ["by_hand", "data", "numpy", "inner_load_state_dict", "replaced_mapping",
                                  "unhooked_inner_step"])
 def test_the_inner_optimizers_state_changed_between_steps_is_refused_and_put_back(how):

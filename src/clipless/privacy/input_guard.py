@@ -664,20 +664,24 @@ class StepGuard:
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], params: Sequence[torch.Tensor],
                  loss: Any, loss_lipschitz: Callable[[], float], rows_per_example: int = 1,
-                 model_changed: Callable[[], Optional[str]] = lambda: None) -> None:
+                 model_changed: Callable[[], Optional[str]] = lambda: None,
+                 before_release: Callable[[], None] = lambda: None) -> None:
         """``layers``/``params``: the model's bounded layers and their parameters; ``loss_lipschitz()``: the
         ``L`` of the bounds (every clipless loss applied must declare at most that; ``loss`` names it).
         ``rows_per_example`` ``K``: each example enters the forward as up to ``K`` rows (augmentation
         multiplicity), so each row's loss may weigh at most ``1/K``: whatever rows belong to one example,
         their weights sum to at most 1 and the example's gradient stays within the per-example bound.
         ``model_changed()``: why the model differs from what the step's bounds will describe (a constant, a buffer),
-        or None; asked at each forward, whose backward is then refused."""
+        or None; asked at each forward, whose backward is then refused.  ``before_release()``: run before the model's
+        ``state_dict()`` and before a pickle of the model (``torch.save(model)``) release its weights (it refuses a
+        model that is not as the last step released it)."""
         self.params = tuple(params)
         self.rows_per_example = int(rows_per_example)
         self.sum_check = True  # check_sums on (the white-box step audit turns it off to measure a wrong bound)
         self.loss_name = type(loss).__name__ if loss is not None else "loss"
         self.loss_lipschitz = loss_lipschitz
         self.model_changed = model_changed
+        self.before_release = before_release
         self.epoch = 0  # private steps released
         self._paused = 0
         self._inside = False
@@ -687,6 +691,7 @@ class StepGuard:
         self._handles = [
             model.register_forward_pre_hook(_ModelEnter(self)),
             model.register_forward_hook(_ModelLeave(self), always_call=True),
+            model.register_state_dict_pre_hook(_ModelRelease(self)),
         ]
         names = {id(m): n for n, m in model.named_modules()}
         for layer in layers:
@@ -1064,6 +1069,19 @@ class _ModelEnter(_Hook):
 class _ModelLeave(_Hook):
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Optional[torch.Tensor]:
         return self.guard._leave(output)
+
+
+class _ModelRelease(_Hook):
+    """Before the model's ``state_dict()`` or a pickle of the model: a weight changed since the last step (a last
+    update by hand after the loop) would be released with it, outside every step's checks."""
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not self.guard._paused:
+            self.guard.before_release()
+
+    def __reduce__(self) -> Any:
+        self.guard.before_release()
+        return super().__reduce__()
 
 
 class _LayerCall(_Hook):

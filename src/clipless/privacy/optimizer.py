@@ -270,7 +270,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                                [p for layer in report.layers for p in layer.params],
                                bound_engine.loss, lambda: bound_engine.loss_lipschitz,
                                rows_per_example=augmentation_multiplicity,
-                               model_changed=self._changed_at_forward)
+                               model_changed=self._changed_at_forward, before_release=self._before_release)
         names = {id(p): name for name, p in bound_engine.model.named_parameters()}
         self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
         self._retired = False
@@ -540,6 +540,17 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             return None
         return (f"buffers or frozen parameters ({', '.join(changed[:4])}) were not as the last private step released "
                 "them: the bounds are computed from the released values; only the private step may change the model")
+
+    def _before_release(self) -> None:
+        """The model's ``state_dict()`` or pickle is about to release its weights: they must be the last step's."""
+        if self._retired:
+            return
+        try:
+            self.check_released_state()
+        except BoundError as err:
+            raise BoundError(f"model.state_dict() or a pickle of the model: {err}. (A change that reads no training "
+                             "data, such as pruning, is post-processing: make it on copy.deepcopy(model), which is an "
+                             "ordinary model)") from None
 
     def check_released_state(self) -> None:
         """Refuse a model that is not as the last private step released it (or refused and put back), and put
