@@ -512,6 +512,33 @@ def test_labels_taken_from_other_records_refused(how):
     assert engine.accountant.steps == steps + 1
 
 
+@pytest.mark.parametrize("target", ["y rolled", "second column rolled", "y", "second column"])
+def test_labels_of_a_batch_with_more_columns_are_checked_too(target):
+    """A dataset of ``(x, y, g)`` records (a sample weight, a group): the label check applied only to batches of
+    inputs and one label tensor, so ``y.roll(1)`` was released there.  Now a loss target may be any of the record's
+    own columns, and a target taken from another record is refused."""
+    groups = lambda d: torch.utils.data.TensorDataset(d.features, d.labels, (torch.arange(96) * 7) % 3)  # noqa: E731
+    model, opt, loss, engine, _, loader = _setup_with_loader(data_wrapper=groups)
+    for bx, by, bg in loader:
+        if len(bx) >= 2 and len(set(by.tolist())) >= 2 and len(set(bg.tolist())) >= 2:
+            break
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+    column = by if target.startswith("y") else bg
+    targets = column.roll(1) if target.endswith("rolled") else column
+    if target.endswith("rolled") and torch.equal(targets, column):  # a batch that reads the same rolled
+        targets = column.flip(0) if not torch.equal(column.flip(0), column) else (column + 1) % 3
+    opt.zero_grad()
+    loss.per_example(model(bx), targets).sum().backward()
+    if target.endswith("rolled"):
+        _refused(opt, engine, "entered the loss with another label than its record's")
+    else:  # each row's own column
+        steps = engine.accountant.steps
+        opt.step()
+        assert engine.accountant.steps == steps + 1
+
+
 def test_labels_as_drawn_in_another_integer_type_or_with_their_rows_permuted_are_accepted():
     """The label by value (a uint8 copy of int64 labels is the same label); inputs and labels permuted together;
     two equal inputs of the data with different labels may swap them (the same records); declared rows are the

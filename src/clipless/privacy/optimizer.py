@@ -489,13 +489,16 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
     def _check_labels(self, loader: PoissonDataLoader, k: int) -> None:
         """Each drawn row's loss target must be its own record's label: one record's label given to other rows (the
         labels shuffled apart from the inputs, one label for all) reaches several examples' losses.  Checked on
-        ``(input, label)`` digest pairs against the drawn batch's, where the batch is inputs and one label tensor;
-        rows the loop declared (:meth:`derived_rows_`) are its own word and are not checked."""
+        ``(input, label)`` digest pairs against the drawn batch's, where the batch has one tensor of inputs: a label
+        may be any other tensor of the batch (``(x, y, w)``: ``y`` or ``w``), each the record's own; rows the loop
+        declared (:meth:`derived_rows_`) are its own word and are not checked."""
         shape = self.bound_engine.input_shape
         leaves = loader.last_batch_digests
         inputs = [d for row_shape, d in leaves if row_shape == shape]
-        labels = [d for row_shape, d in leaves if row_shape != shape]
-        if len(inputs) != 1 or len(labels) != 1 or inputs[0].shape != labels[0].shape:
+        if len(inputs) != 1:
+            return
+        labels = [d for row_shape, d in leaves if row_shape != shape and d.shape == inputs[0].shape]
+        if not labels:
             return
         seen, targets = self.guard.released_labelled_rows()
         seen, targets = seen.cpu(), targets.cpu()
@@ -504,7 +507,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             for rows in self._derived[1]:
                 checked &= ~torch.isin(seen, rows.cpu())
         pairs = _pair_digests(seen[checked], targets[checked])
-        drawn = _pair_digests(inputs[0].cpu(), labels[0].cpu())
+        drawn = torch.cat([_pair_digests(inputs[0].cpu(), label.cpu()) for label in labels])
         if rows_beyond(pairs, drawn, k):
             raise BoundError("a row of the batch entered the loss with another label than its record's in the batch "
                              "drawn from the private loader: one record's label given to other rows (labels "
