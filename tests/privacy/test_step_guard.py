@@ -539,6 +539,41 @@ def test_labels_of_a_batch_with_more_columns_are_checked_too(target):
         assert engine.accountant.steps == steps + 1
 
 
+@pytest.mark.parametrize("weights", ["own", "own in physical parts", "rolled", "normalized", "declared rows"])
+def test_a_records_own_weight_passes_and_weights_from_other_records_are_refused(weights):
+    """A sample weight in [0, 1] that is part of each record (``(x, y, w)``, ``(loss * w).sum()``) moves that
+    record's gradient alone, within its bound: it was refused with the weights that depend on other examples, as
+    they could not be told apart.  The step now pairs each row's weight with its input and accepts a weight that is
+    its own record's column; a weight of another row, or normalized over the batch, is still refused."""
+    column = lambda d: torch.utils.data.TensorDataset(  # noqa: E731
+        d.features, d.labels, torch.rand(96, generator=torch.Generator().manual_seed(2)))
+    model, opt, loss, engine, _, loader = _setup_with_loader(data_wrapper=column)
+    for bx, by, bw in loader:
+        if len(bx) >= 4:
+            break
+        opt.zero_grad()
+        (loss.per_example(model(bx), by) * bw).sum().backward()
+        opt.step()
+    opt.zero_grad()
+    if weights == "own in physical parts":
+        for part in (slice(0, 2), slice(2, None)):
+            (loss.per_example(model(bx[part]), by[part]) * bw[part]).sum().backward()
+    else:
+        w = {"own": bw, "rolled": bw.roll(1), "normalized": bw / bw.max(), "declared rows": bw}[weights]
+        x = bx
+        if weights == "declared rows":
+            x = 0.5 * bx
+            opt.derived_rows_(x)
+        (loss.per_example(model(x), by) * w).sum().backward()
+    if weights.startswith("own"):
+        steps = engine.accountant.steps
+        opt.step()
+        assert engine.accountant.steps == steps + 1
+    else:
+        message = _refused(opt, engine, "entered the backward with different weights for examples of the same label")
+        assert "(loss.per_example(model(x), y) * w).sum()" in message
+
+
 def test_labels_as_drawn_in_another_integer_type_or_with_their_rows_permuted_are_accepted():
     """The label by value (a uint8 copy of int64 labels is the same label); inputs and labels permuted together;
     two equal inputs of the data with different labels may swap them (the same records); declared rows are the

@@ -242,6 +242,15 @@ def rows_beyond(inputs: torch.Tensor, reference: torch.Tensor, k: int) -> bool:
     return bool((counts > allowed).any())
 
 
+UNEVEN_WEIGHTS = ("the per-example losses of one forward entered the backward with different weights for examples of "
+                  "the same label (max(), a top-k or trimmed sum, weights normalized over the batch, a selection by "
+                  "position): which example gets which weight then depends on the other examples, so one added "
+                  "record moves several examples' gradients, beyond the certified bound; backpropagate "
+                  "loss.per_example(model(x), y).sum() (or the mean; weights that depend on the label alone pass, "
+                  "and so does each record's own weight in [0, 1], a column of its batch as the private loader yields "
+                  "it: (loss.per_example(model(x), y) * w).sum())")
+
+
 def _uneven_within_labels(weights: torch.Tensor, labels: Optional[torch.Tensor]) -> bool:
     """Whether two rows of one forward with equal labels (all rows, without labels) enter the backward with
     different loss weights."""
@@ -498,7 +507,7 @@ class _ForwardRecord:
     """One gradient-recording forward of the private model, until its backward reaches the output."""
 
     __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked", "changed", "digests",
-                 "labels", "task", "entry")
+                 "labels", "weights", "task", "entry")
 
     def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str],
                  digests: Optional[torch.Tensor], changed: Optional[str] = None,
@@ -509,6 +518,7 @@ class _ForwardRecord:
         self.changed = changed  # why the model at the forward differs from the bounds' (a constant, a buffer), or None
         self.digests = digests  # row_digests of the forward's input
         self.labels: Optional[torch.Tensor] = None  # row_digests of the targets its loss was given, row for row
+        self.weights: Optional[torch.Tensor] = None  # its losses' weights, row for row, where they differ in a label
         self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
         self.losses: List[Any] = []  # the clipless losses applied to this output
@@ -555,7 +565,7 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
                          + (f"per-example shape {tuple(values.shape[1:])}" if values.dim() > 1 else
                             "a scalar" if values.dim() == 0 else "another number of values than of examples"))
     # the weight each loss enters the gradient with, against its rows' labels
-    return _Tap.apply(values, lambda weights: record.guard._loss_weights(weights, rows))
+    return _Tap.apply(values, lambda weights: record.guard._loss_weights(weights, rows, record))
 
 
 _WATCH_ATTR = "_clipless_watch"
@@ -734,6 +744,7 @@ class StepGuard:
         self._mass: Dict[int, Tuple[float, int, int]] = {}
         self._digests: Dict[int, List[torch.Tensor]] = {}  # backward -> row digests of the inputs of its forwards
         self._labels: Dict[int, List[Optional[torch.Tensor]]] = {}  # backward -> their loss targets' digests
+        self._weights: Dict[int, List[Optional[torch.Tensor]]] = {}  # backward -> their uneven loss weights
         self._violation: Optional[str] = None
 
     def remove(self) -> None:
@@ -817,7 +828,8 @@ class StepGuard:
     def _problem(self, why: str) -> None:
         self._problems.setdefault(backward_pass_id(), why)
 
-    def _loss_weights(self, weights: torch.Tensor, labels: Optional[torch.Tensor] = None) -> None:
+    def _loss_weights(self, weights: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                      record: Optional[_ForwardRecord] = None) -> None:
         if weights.numel() == 0:
             return
         largest = float(weights.abs().max())  # never shown: a mean's weight 1/|B| is a Poisson batch's secret size
@@ -844,12 +856,11 @@ class StepGuard:
                 "budget; backpropagate loss.per_example(model(x), y).sum()", stacklevel=2)
         # after the checks of the largest weight, whose refusals name the weight
         if _uneven_within_labels(weights, labels):
-            self._problem("the per-example losses of one forward entered the backward with different weights for "
-                          "examples of the same label (max(), a top-k or trimmed sum, weights normalized over the "
-                          "batch, a selection by position): which example gets which weight then depends on the "
-                          "other examples, so one added record moves several examples' gradients, beyond the "
-                          "certified bound; backpropagate loss.per_example(model(x), y).sum() (or the mean; "
-                          "weights that depend on the label alone pass)")
+            if k == 1 and record is not None and record.digests is not None:
+                # each row's own record's weight (a column of the drawn batch) passes: the step compares them
+                record.weights = weights.detach().reshape(-1).clone()
+            else:
+                self._problem(UNEVEN_WEIGHTS)
 
     def _output_grad(self, record: _ForwardRecord, grad: torch.Tensor) -> None:
         loss_grad, record.loss_grad = record.loss_grad, None
@@ -907,6 +918,7 @@ class StepGuard:
             if record.digests is not None:
                 self._digests.setdefault(task, []).append(record.digests)
                 self._labels.setdefault(task, []).append(record.labels)
+                self._weights.setdefault(task, []).append(record.weights)
             return
         self._problem(why)
 
@@ -1043,6 +1055,15 @@ class StepGuard:
             empty = torch.zeros(0, dtype=torch.int64)
             return empty, empty
         return torch.cat([d for d, _ in parts]), torch.cat([t.to(d.device) for d, t in parts])
+
+    def released_weighted_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Row digests of the inputs and the loss weights, row for row, of the released forwards whose losses
+        entered the backward with weights that differ within a label (each must be its record's own)."""
+        parts = [(d, w) for task in self._released
+                 for d, w in zip(self._digests.get(task, []), self._weights.get(task, [])) if w is not None]
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+        return torch.cat([d for d, _ in parts]), torch.cat([w.to(d.device) for d, w in parts])
 
     def finish_step(self, params: Sequence[torch.Tensor], weights: Optional[List[torch.Tensor]] = None) -> None:
         """After a released step: clear the gradients and start the next step.  ``weights``: copies of

@@ -28,8 +28,8 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import (InputGuard, StepGuard, row_digests, rows_beyond, rows_not_drawn, rows_repeated,
-                          undrawn_records, unwatched)
+from .input_guard import (UNEVEN_WEIGHTS, InputGuard, StepGuard, row_digests, rows_beyond, rows_not_drawn,
+                          rows_repeated, undrawn_records, unwatched)
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
 from .randomness import check_generator, resume_generator, saved_generator_state, secret_generator
@@ -517,6 +517,26 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "computes from each row alone, such as the model's predictions, are declared with their "
                              "rows: dp_optimizer.derived_rows_(x))")
 
+    def _check_own_weights(self) -> None:
+        """Loss weights that differ within a label pass only as each row's own record's weight: a column of the
+        batch drawn from the private loader, paired with the row's input (``(x, y, w)``: ``(l * w).sum()``).  It
+        moves that record's gradient alone, within its bound (the weights are at most 1); any other uneven weights
+        depend on other examples.  Rows the loop declared are not drawn rows and have no such column."""
+        seen, weights = self.guard.released_weighted_rows()
+        if seen.numel() == 0:
+            return
+        loader = self._loader_in_use()
+        shape = self.bound_engine.input_shape
+        leaves = loader.last_batch_digests if loader is not None and loader.last_batch_rows is not None else []
+        inputs = [d for row_shape, d in leaves if row_shape == shape]
+        columns = [d for row_shape, d in leaves if row_shape != shape and len(inputs) == 1
+                   and d.shape == inputs[0].shape]
+        if not columns:
+            raise BoundError(UNEVEN_WEIGHTS)
+        drawn = torch.cat([_pair_digests(inputs[0].cpu(), column.cpu()) for column in columns])
+        if rows_beyond(_pair_digests(seen.cpu(), row_digests(weights).cpu()), drawn, 1):
+            raise BoundError(UNEVEN_WEIGHTS)
+
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_model_state(self.bound_engine.model))
 
@@ -668,6 +688,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         """Every check of the step's gradients, then the certified bounds they are noised with."""
         self.guard.check_step(params)
         self._check_rows()
+        self._check_own_weights()
         report = self.bound_engine.compute()
         bounded = [id(p) for layer in report.layers for p in layer.params]
         noised = set(bounded)
