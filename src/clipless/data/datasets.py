@@ -648,6 +648,9 @@ def load_dataset(name: str, data_dir: Optional[Union[str, Path]] = None, seed: i
 
 def _load_declared(name: str, data_dir: Optional[Union[str, Path]], seed: int) -> DataSplit:
     if name == "digits":
+        if data_dir is not None:  # a run "on the files there" would train on the embedded digits without a word
+            raise ValueError(f"--data-dir {data_dir} would not be used: digits is embedded in clipless; name the "
+                             "dataset of the files there (mnist, idx, cifar10, imagefolder or a .npz/.csv file)")
         return load_digits(seed=seed)
     if name in ("cifar10", "imagefolder"):
         if data_dir is None:
