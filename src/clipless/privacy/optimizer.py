@@ -486,19 +486,29 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 last = chunks.pop()
                 chunks[-1] = torch.unique(torch.cat([chunks[-1], last]))
 
+    def _drawn_column_pairs(self, loader: Optional[PoissonDataLoader]) -> Optional[torch.Tensor]:
+        """``(input, column)`` digest pairs of the batch last drawn from ``loader``, for each column of the batch
+        besides its one tensor of inputs (``(x, y, w)``: ``y`` and ``w``), or ``None`` where there are none."""
+        if loader is None or loader.last_batch_rows is None:
+            return None
+        shape = self.bound_engine.input_shape
+        leaves = loader.last_batch_digests
+        inputs = [d for row_shape, d in leaves if row_shape == shape]
+        if len(inputs) != 1:
+            return None
+        columns = [d for row_shape, d in leaves if row_shape != shape and d.shape == inputs[0].shape]
+        if not columns:
+            return None
+        return torch.cat([_pair_digests(inputs[0].cpu(), column.cpu()) for column in columns])
+
     def _check_labels(self, loader: PoissonDataLoader, k: int) -> None:
         """Each drawn row's loss target must be its own record's label: one record's label given to other rows (the
         labels shuffled apart from the inputs, one label for all) reaches several examples' losses.  Checked on
         ``(input, label)`` digest pairs against the drawn batch's, where the batch has one tensor of inputs: a label
         may be any other tensor of the batch (``(x, y, w)``: ``y`` or ``w``), each the record's own; rows the loop
         declared (:meth:`derived_rows_`) are its own word and are not checked."""
-        shape = self.bound_engine.input_shape
-        leaves = loader.last_batch_digests
-        inputs = [d for row_shape, d in leaves if row_shape == shape]
-        if len(inputs) != 1:
-            return
-        labels = [d for row_shape, d in leaves if row_shape != shape and d.shape == inputs[0].shape]
-        if not labels:
+        drawn = self._drawn_column_pairs(loader)
+        if drawn is None:
             return
         seen, targets = self.guard.released_labelled_rows()
         seen, targets = seen.cpu(), targets.cpu()
@@ -506,9 +516,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         if self._derived[0] == loader.batches_drawn:
             for rows in self._derived[1]:
                 checked &= ~torch.isin(seen, rows.cpu())
-        pairs = _pair_digests(seen[checked], targets[checked])
-        drawn = torch.cat([_pair_digests(inputs[0].cpu(), label.cpu()) for label in labels])
-        if rows_beyond(pairs, drawn, k):
+        if rows_beyond(_pair_digests(seen[checked], targets[checked]), drawn, k):
             raise BoundError("a row of the batch entered the loss with another label than its record's in the batch "
                              "drawn from the private loader: one record's label given to other rows (labels "
                              "shuffled apart from their inputs, one label for all) reaches several examples' losses, "
@@ -525,16 +533,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         seen, weights = self.guard.released_weighted_rows()
         if seen.numel() == 0:
             return
-        loader = self._loader_in_use()
-        shape = self.bound_engine.input_shape
-        leaves = loader.last_batch_digests if loader is not None and loader.last_batch_rows is not None else []
-        inputs = [d for row_shape, d in leaves if row_shape == shape]
-        columns = [d for row_shape, d in leaves if row_shape != shape and len(inputs) == 1
-                   and d.shape == inputs[0].shape]
-        if not columns:
-            raise BoundError(UNEVEN_WEIGHTS)
-        drawn = torch.cat([_pair_digests(inputs[0].cpu(), column.cpu()) for column in columns])
-        if rows_beyond(_pair_digests(seen.cpu(), row_digests(weights).cpu()), drawn, 1):
+        drawn = self._drawn_column_pairs(self._loader_in_use())
+        if drawn is None or rows_beyond(_pair_digests(seen.cpu(), row_digests(weights).cpu()), drawn, 1):
             raise BoundError(UNEVEN_WEIGHTS)
 
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
