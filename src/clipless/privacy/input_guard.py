@@ -518,7 +518,7 @@ class _ForwardRecord:
         self.changed = changed  # why the model at the forward differs from the bounds' (a constant, a buffer), or None
         self.digests = digests  # row_digests of the forward's input
         self.labels: Optional[torch.Tensor] = None  # row_digests of the targets its loss was given, row for row
-        self.weights: Optional[torch.Tensor] = None  # its losses' weights, row for row, where they differ in a label
+        self.weights: List[torch.Tensor] = []  # each of its losses' weights, row for row, where they differ in a label
         self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
         self.losses: List[Any] = []  # the clipless losses applied to this output
@@ -744,7 +744,7 @@ class StepGuard:
         self._mass: Dict[int, Tuple[float, int, int]] = {}
         self._digests: Dict[int, List[torch.Tensor]] = {}  # backward -> row digests of the inputs of its forwards
         self._labels: Dict[int, List[Optional[torch.Tensor]]] = {}  # backward -> their loss targets' digests
-        self._weights: Dict[int, List[Optional[torch.Tensor]]] = {}  # backward -> their uneven loss weights
+        self._weights: Dict[int, List[List[torch.Tensor]]] = {}  # backward -> their forwards' uneven loss weights
         self._violation: Optional[str] = None
 
     def remove(self) -> None:
@@ -858,7 +858,7 @@ class StepGuard:
         if _uneven_within_labels(weights, labels):
             if k == 1 and record is not None and record.digests is not None:
                 # each row's own record's weight (a column of the drawn batch) passes: the step compares them
-                record.weights = weights.detach().reshape(-1).clone()
+                record.weights.append(weights.detach().reshape(-1).clone())
             else:
                 self._problem(UNEVEN_WEIGHTS)
 
@@ -1060,7 +1060,7 @@ class StepGuard:
         """Row digests of the inputs and the loss weights, row for row, of the released forwards whose losses
         entered the backward with weights that differ within a label (each must be its record's own)."""
         parts = [(d, w) for task in self._released
-                 for d, w in zip(self._digests.get(task, []), self._weights.get(task, [])) if w is not None]
+                 for d, ws in zip(self._digests.get(task, []), self._weights.get(task, [])) for w in ws]
         if not parts:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
         return torch.cat([d for d, _ in parts]), torch.cat([w.to(d.device) for d, w in parts])
