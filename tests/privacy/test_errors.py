@@ -615,3 +615,42 @@ def test_trainer_settings_read_at_the_first_batch_are_refused_when_given(data, s
     kw = {setting: value, **({"augmentation_multiplicity": 2} if setting == "augment" else {})}
     with pytest.raises(error, match=match):
         trainer_for(model, data, **kw)
+
+
+_ONCE = torch.utils.data
+_REPEATED = {  # each holds a record more than once: (index, times) reported
+    "subset with repeated indices": (lambda d: _ONCE.Subset(d, list(range(64)) + [5, 5]), 5, 3),
+    "the data concatenated twice": (lambda d: _ONCE.ConcatDataset([d, d]), 0, 2),
+    "the data and a subset of it": (lambda d: _ONCE.ConcatDataset([d, _ONCE.Subset(d, [7, 9])]), 7, 2),
+    "a subset of a concatenation": (lambda d: _ONCE.Subset(_ONCE.ConcatDataset([d, d]), [*range(16), 64 + 3]), 3, 2),
+    "a negative index": (lambda d: _ONCE.Subset(d, [*range(16), 2 - 64]), 2, 2),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_REPEATED))
+def test_training_data_that_holds_a_record_more_than_once_is_refused(data, how) -> None:
+    """Oversampling by repeated indices (a Subset, a ConcatDataset of the data and its minority class) passed: each
+    copy is drawn on its own, so that record's privacy was that of several records, outside the reported epsilon."""
+    build, index, times = _REPEATED[how]
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match=f"holds record {index} of its ArrayDataset {times} times"):
+        trainer_for(model, build(data))
+    model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+    with pytest.raises(ValueError, match=f"holds record {index} of its ArrayDataset {times} times"):
+        cl.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        data=_ONCE.DataLoader(build(data)), loss=cl.TauCrossEntropy(),
+                                        noise_multiplier=1.0, input_shape=SHAPE, batch_size=8, input_bound=4.0)
+    pairs = cl.ArrayDataset(torch.rand(64, 4), torch.rand(64, 4))
+    encoder = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=f"the training pairs holds record {index} of its ArrayDataset {times}"):
+        ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), build(pairs), batch_size=4.0,
+                              epochs=1, delta=1e-3, noise_multiplier=1.0, progress=False, log=None)
+
+
+def test_training_data_of_disjoint_parts_or_equal_values_stored_apart_is_accepted(data) -> None:
+    """Disjoint Subsets of one dataset, and records equal in value but stored apart (two datasets), are distinct."""
+    for parts in (_ONCE.ConcatDataset([_ONCE.Subset(data, range(0, 32)), _ONCE.Subset(data, range(32, 64))]),
+                  _ONCE.ConcatDataset([data, cl.ArrayDataset(data.features.clone(), data.labels.clone())]),
+                  _ONCE.Subset(data, [*range(16), -1])):
+        model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+        assert trainer_for(model, parts).fit().steps > 0

@@ -31,8 +31,8 @@ from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
 from ..privacy.input_guard import all_finite
 from ..privacy.privacy_engine import check_model_takes
-from ..privacy.sampling import (expected_batch_size, loader_parts, poisson_data_loader, poisson_steps_per_epoch,
-                                record_chunks, step_progress)
+from ..privacy.sampling import (check_each_record_once, expected_batch_size, loader_parts, poisson_data_loader,
+                                poisson_steps_per_epoch, record_chunks, step_progress)
 from ..train.checkpoint import (check_checkpoint_free, check_fits, check_records, checkpoint_destination,
                                 fingerprint_key_for, keyed_fingerprint, load_checkpoint, read_fingerprint_key,
                                 save_checkpoint)
@@ -256,6 +256,7 @@ class ContrastivePretrainer(DeclaredConstants):
         eval_pairs, _ = loader_parts(eval_pairs, training=False)
         n = len(pairs)  # type: ignore[arg-type]
         batch_size = expected_batch_size(batch_size, n)
+        check_each_record_once(pairs, "the training pairs")
         check_held_out(pairs, eval_pairs, "eval_pairs")  # their loss is logged and saved without noise
         if eval_pairs is not None:
             _check_pair_records(eval_pairs, encoder, "eval_pairs", read_first=True)

@@ -23,8 +23,8 @@ from .modules import DeclaredConstants, InputClip, LipschitzLoss, step_mechanism
 from .noise import check_secure_flag
 from .optimizer import DPOptimizer
 from .randomness import check_generator
-from .sampling import (dataset_size, expected_batch_size, in_memory_records, loader_parts, poisson_data_loader,
-                       poisson_steps_per_epoch, poisson_threshold, record_chunks)
+from .sampling import (check_each_record_once, dataset_size, expected_batch_size, in_memory_records, loader_parts,
+                       poisson_data_loader, poisson_steps_per_epoch, poisson_threshold, record_chunks)
 
 __all__ = ["PrivacyEngine", "resolve_input_bound", "first_leaf", "check_dataset_records", "check_model_takes"]
 
@@ -133,6 +133,7 @@ def _dataset_of(data: Union[Dataset, DataLoader],
     dataset, options = loader_parts(data)
     if batch_size is None:
         raise ValueError("give the expected batch size (batch_size)")
+    check_each_record_once(dataset)
     return dataset, expected_batch_size(batch_size, dataset_size(dataset)), options
 
 

@@ -6,8 +6,8 @@ from fractions import Fraction
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler,
-                              SequentialSampler, Subset, TensorDataset)
+from torch.utils.data import (BatchSampler, ConcatDataset, DataLoader, Dataset, IterableDataset, RandomSampler,
+                              Sampler, SequentialSampler, Subset, TensorDataset)
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .input_guard import batch_row_digests
@@ -17,7 +17,8 @@ from .randomness import check_generator, is_secret_generator, mechanism_words, s
 __all__ = ["PoissonBatchSampler", "PoissonDataLoader", "poisson_data_loader", "BatchCollator", "PreCollated",
            "poisson_threshold", "realised_sample_rate", "expected_batch_size", "poisson_steps_per_epoch",
            "dataset_size", "SAMPLING_BITS", "in_memory_records", "record_chunks", "worker_options", "WORKER_SETTINGS",
-           "loader_parts", "step_progress", "physical_batches", "check_physical_batch_size"]
+           "loader_parts", "step_progress", "physical_batches", "check_physical_batch_size", "repeated_record",
+           "check_each_record_once"]
 
 # Inclusion is decided by an integer draw ``k`` uniform on [0, 2^53) against ``floor(q 2^53)``: exact integer
 # arithmetic, so the realised rate is ``floor(q 2^53) / 2^53``, within 2^-53 *below* q (spec §7: float32
@@ -38,6 +39,58 @@ def dataset_size(data: Any) -> int:
         raise TypeError(f"data must be a map-style Dataset with a length (got {type(data).__name__}): Poisson "
                         "sampling picks each record by index, independently, with rate batch_size / len(data)")
     return len(data)
+
+
+def _record_sources(data: Any, rows: Optional[torch.Tensor] = None) -> Iterator[Tuple[Any, Optional[torch.Tensor]]]:
+    """``(dataset, rows of it)`` under the ``Subset`` and ``ConcatDataset`` views of ``data`` (``rows`` None: all)."""
+    if isinstance(data, Subset):
+        chosen = torch.as_tensor(list(data.indices), dtype=torch.long)
+        yield from _record_sources(data.dataset, chosen if rows is None else chosen[rows])
+    elif isinstance(data, ConcatDataset):
+        ends = torch.as_tensor(data.cumulative_sizes, dtype=torch.long)
+        part = None if rows is None else torch.searchsorted(ends, rows, right=True)
+        for i, dataset in enumerate(data.datasets):
+            start = int(ends[i - 1]) if i else 0
+            if rows is None:
+                yield from _record_sources(dataset)
+            elif bool((part == i).any()):
+                yield from _record_sources(dataset, rows[part == i] - start)
+    else:
+        yield data, rows
+
+
+def repeated_record(data: Any) -> Optional[Tuple[int, Any, int]]:
+    """``(index, dataset, times)`` of a record that ``data`` holds more than once through its ``Subset`` and
+    ``ConcatDataset`` views (repeated indices, a dataset or its records concatenated twice), or ``None``.  Poisson
+    sampling draws each copy on its own: that record's privacy is then that of ``times`` records (group privacy).
+    Records equal in value but stored apart are distinct records."""
+    counts: Dict[int, Tuple[Any, torch.Tensor]] = {}
+    for dataset, rows in _record_sources(data):
+        size = dataset_size(dataset)
+        held = counts.get(id(dataset), (dataset, torch.zeros(size, dtype=torch.long)))[1]
+        if rows is not None:
+            rows = torch.where(rows < 0, rows + size, rows)  # negative indices count from the end, as in indexing
+            rows = rows[(rows >= 0) & (rows < size)]  # an index out of range fails where it is read, not here
+        held += 1 if rows is None else torch.bincount(rows, minlength=size)
+        counts[id(dataset)] = (dataset, held)
+    for dataset, held in counts.values():
+        if held.numel() and int(held.max()) > 1:
+            index = int(held.argmax())
+            return index, dataset, int(held[index])
+    return None
+
+
+def check_each_record_once(data: Any, what: str = "the training data") -> None:
+    """Refuse training data that holds a record more than once (:func:`repeated_record`): the accountant counts
+    one Poisson draw per record and step, and each copy is one more."""
+    repeated = repeated_record(data)
+    if repeated is not None:
+        index, base, times = repeated
+        raise ValueError(f"{what} holds record {index} of its {type(base).__name__} {times} times (a Subset with "
+                         "repeated indices, or a ConcatDataset that holds a dataset or its records twice): Poisson "
+                         f"sampling draws each copy on its own, so that record's privacy is that of {times} records, "
+                         "outside the reported epsilon; give each record once (to weigh a class up, weigh the others' "
+                         "losses down: weights by label pass the private step)")
 
 
 def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
