@@ -86,6 +86,11 @@ def _train(out, *extra):
     (["--activation", "groupsort1"], "--activation: unknown activation 'groupsort1'"),
     (["--activation", "groupsort3.0", "--hidden", "12"], "--activation: unknown activation 'groupsort3.0'"),
     (["--activation", "groupsort4"], "--activation groupsort4: the mlp has no hidden layer"),
+    # tracebacks before: an OverflowError in the accountant, in the step count, and torch's C++ trace
+    (["--epochs", "99999999999999999999"], "steps, more than the accountants compose .1e\\+09.: plan fewer epochs"),
+    (["--batch-size", "1e-320"], "sample rate 4.94066e-324 is below 2\\^-53"),
+    (["--hidden", "99999999999999999999"], "--hidden: each width must be < 2.14748e\\+09"),
+    (["--model", "cnn", "--channels", "99999999999999999999"], "--channels: each width must be < 2.14748e\\+09"),
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"
@@ -220,6 +225,9 @@ def test_pretrain_cnn_without_channels_refused(tmp_path):
     ("--epsilon", "nan", "--epsilon: must be finite"),
     ("--epochs", "0", "--epochs: must be >= 1"),
     ("--batch-size", "0", "--batch-size: must be > 0"),
+    ("--batch-size", "1e-320", "below 2\\^-53"),  # tracebacks before (an OverflowError, torch's C++ trace)
+    ("--epochs", "99999999999999999999", "more than the accountants compose"),
+    ("--embedding-dim", "99999999999999999999", "--embedding-dim: must be < 2.14748e\\+09"),
 ])
 def test_pretrain_settings_get_the_train_commands_checks(tmp_path, flag, value, match):
     out = tmp_path / "p"
@@ -248,6 +256,22 @@ def test_settings_nothing_reads_are_refused(tmp_path, argv, flag):
     out = tmp_path / "o"
     _refused([*argv, "--no-progress", "--output-dir", str(out)], f"{flag}( .)? would not be used: ")
     assert not out.exists()
+
+
+def test_a_model_too_large_for_memory_is_one_line(tmp_path, monkeypatch):
+    """torch's CPU allocator refuses a tensor larger than the machine can hold with a C++ trace: one line now."""
+    import clipless.cli as cli
+
+    def too_large(config):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 2592000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(cli, "run_train", too_large)
+    _refused(["train", "--no-progress", "--output-dir", str(tmp_path / "o")],
+             r"clipless train: not enough memory \(2414.0 GiB in one tensor\): use smaller widths")
+    monkeypatch.setattr(cli, "run_train", lambda config: (_ for _ in ()).throw(RuntimeError("another failure")))
+    with pytest.raises(RuntimeError, match="another failure"):  # any other RuntimeError is a bug to show whole
+        main(["train", "--no-progress", "--output-dir", str(tmp_path / "o")])
 
 
 def test_kl_to_delta_is_clamped_and_vacuity_said():

@@ -6,6 +6,7 @@ import argparse
 import gc
 import io
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -117,11 +118,16 @@ def _flag(value: Any) -> bool:
     return value
 
 
+# Tensor sizes past this fail inside torch with a C++ trace ("Overflow when unpacking long long"); below it, a size
+# too large for the machine's memory is refused by main as one line.
+_MAX_SIZE = 2 ** 31
+
+
 def _widths(value: Any) -> List[int]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"must be a list of positive integers such as [64], got {value!r}")
     try:
-        return [_number(int, 0)(v) for v in value]
+        return [_number(int, 0, _MAX_SIZE)(v) for v in value]
     except ValueError as err:
         raise ValueError(f"each width {err}") from None
 
@@ -887,7 +893,8 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         raise SystemExit(f"--probe-labels: each count must be >= 1, got {args.probe_labels}")
     # the train command's rules (SCHEMA) for the settings the two commands share
     shared = (("--noise-seed", SCHEMA["noise_seed"], args.noise_seed), ("--hidden", _widths, args.hidden),
-              ("--channels", _widths, args.channels), ("--embedding-dim", _number(int, 0), args.embedding_dim),
+              ("--channels", _widths, args.channels),
+              ("--embedding-dim", _number(int, 0, _MAX_SIZE), args.embedding_dim),
               ("--lr", SCHEMA["lr"], args.lr), ("--tau", SCHEMA["tau"], args.tau),
               ("--clip-norm", _number(float, 0), args.clip_norm), ("--epsilon", SCHEMA["epsilon"], args.epsilon),
               ("--delta", SCHEMA["delta"], args.delta), ("--noise-multiplier", SCHEMA["noise_multiplier"],
@@ -1094,6 +1101,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, OSError, BudgetExhaustedError) as err:
         # the library's refusals (bad data, settings, files): one line naming the problem and the fix
         raise SystemExit(f"clipless {args.command}: {' '.join(str(err).split())}") from None
+    except RuntimeError as err:  # torch's CPU allocator: a model or batch too large for this machine's memory
+        if "can't allocate memory" not in str(err):
+            raise
+        wanted = re.search(r"allocate (\d+) bytes", str(err))
+        size = f" ({int(wanted.group(1)) / 2 ** 30:.1f} GiB in one tensor)" if wanted else ""
+        raise SystemExit(f"clipless {args.command}: not enough memory{size}: use smaller widths, batches (a "
+                         "physical batch size) or data") from None
     finally:
         from .train.checkpoint import release_directories
 

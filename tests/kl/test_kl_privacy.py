@@ -295,6 +295,12 @@ def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
     (["--runs", "0"], "runs must be an integer >= 1"),
     (["--sigma", "nan"], "sigma must be a positive finite number"),
     (["--eta", "-1"], "eta must be a positive finite number"),
+    # a ZeroDivisionError, an OverflowError and torch's C++ trace before
+    (["--sigma", "1e-320"], "sigma must be at least 1e-150 .its square underflows to 0."),
+    (["--mia-sigma", "1e-320"], "mia_sigma must be at least 1e-150"),
+    (["--depth", "99999999999999999999"], "depth must be below 2\\^31"),
+    (["--width", "99999999999999999999"], "width must be below 2\\^31"),
+    (["--runs", "99999999999999999999"], "runs must be below 2\\^31"),
 ])
 def test_kl_study_settings_refused_before_anything_runs(tmp_path, flags, match):
     from clipless.cli import main

@@ -73,9 +73,12 @@ class KLStudyConfig:
         counts.update({f"widths[{i}]": (w, 1) for i, w in enumerate(self.widths)})
         counts.update({f"depths[{i}]": (L, 1) for i, L in enumerate(self.depths)})
         for name, (value, low) in counts.items():
-            whole_number(value, name, low)
+            if whole_number(value, name, low) >= 2 ** 31:  # torch's sizes and loops past this fail without a word
+                raise ValueError(f"{name} must be below 2^31, got {value}")
         for name in ("eta", "sigma", "mia_sigma"):
-            check_positive_finite(getattr(self, name), name)
+            value = check_positive_finite(getattr(self, name), name)
+            if value * value == 0:  # the study divides by its square
+                raise ValueError(f"{name} must be at least 1e-150 (its square underflows to 0), got {value}")
 
 
 def two_class_mnist(data_dir: str, digits: Tuple[int, int], n_train: int, n_heldout: int,

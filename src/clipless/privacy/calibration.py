@@ -90,6 +90,9 @@ class NoisePlan:
         accountant.step(self.step_sigma, self.sample_rate)
 
 
+MAX_STEPS = 10 ** 9
+
+
 def planned_steps(epochs: object, steps_per_epoch: int) -> int:
     """``epochs * steps_per_epoch`` for a whole, positive number of epochs (a fraction would be rounded: refused)."""
     if not is_whole(epochs):
@@ -99,7 +102,11 @@ def planned_steps(epochs: object, steps_per_epoch: int) -> int:
             raise ValueError(f"epochs must be a whole number, got {epochs!r}: the step budget is planned per epoch")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    return int(epochs) * int(steps_per_epoch)
+    steps = int(epochs) * int(steps_per_epoch)
+    if steps > MAX_STEPS:  # dp-accounting's PLD overflows or runs for hours past this
+        raise ValueError(f"{epochs} epochs of {steps_per_epoch} steps are {steps} steps, more than the accountants "
+                         f"compose ({MAX_STEPS:.0e}): plan fewer epochs")
+    return steps
 
 
 def _positive(value: Optional[float], name: str) -> Optional[float]:

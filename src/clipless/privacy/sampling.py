@@ -196,6 +196,7 @@ def expected_batch_size(batch_size: Any, records: int) -> float:
 def poisson_steps_per_epoch(sample_rate: float) -> int:
     """Steps of one epoch of Poisson batches at rate ``q``: ``round(1/q)``, at least 1 (an epoch draws ``N``
     records in expectation); a run's step budget is its epochs times this."""
+    poisson_threshold(sample_rate)  # a rate the sampler cannot realise (below 2^-53: 1/q may be infinite) is refused
     return max(1, round(1.0 / sample_rate))
 
 
