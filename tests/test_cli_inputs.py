@@ -91,6 +91,7 @@ def _train(out, *extra):
     (["--batch-size", "1e-320"], "sample rate 4.94066e-324 is below 2\\^-53"),
     (["--hidden", "99999999999999999999"], "--hidden: each width must be < 2.14748e\\+09"),
     (["--model", "cnn", "--channels", "99999999999999999999"], "--channels: each width must be < 2.14748e\\+09"),
+    (["--seed", "99999999999999999999"], "--seed: must be < 9.0072e\\+15"),  # "Overflow when unpacking long long"
 ])
 def test_bad_flag_values_refused_before_anything_runs(tmp_path, flags, match):
     out = tmp_path / "run"
@@ -228,6 +229,7 @@ def test_pretrain_cnn_without_channels_refused(tmp_path):
     ("--batch-size", "1e-320", "below 2\\^-53"),  # tracebacks before (an OverflowError, torch's C++ trace)
     ("--epochs", "99999999999999999999", "more than the accountants compose"),
     ("--embedding-dim", "99999999999999999999", "--embedding-dim: must be < 2.14748e\\+09"),
+    ("--seed", "99999999999999999999", "--seed: must be < 9.0072e\\+15"),
 ])
 def test_pretrain_settings_get_the_train_commands_checks(tmp_path, flag, value, match):
     out = tmp_path / "p"

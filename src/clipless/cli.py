@@ -166,7 +166,7 @@ SCHEMA: Dict[str, Any] = {
     "optimizer": _choice("adam", "sgd"),
     "lr": _number(float, 0),
     "lr_schedule": _choice(*LR_SCHEDULES),
-    "seed": _number(int),
+    "seed": _number(int, -2 ** 53, 2 ** 53),  # torch's seeds are 64-bit: "Overflow when unpacking long long"
     "noise_seed": _number(int, 0, low_open=False, optional=True),  # -1 is no "random" here: omit it for OS entropy
     "secure_noise": _flag,
     "augmult": _number(int, 1, low_open=False),
@@ -892,7 +892,8 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
     if any(k < 1 for k in args.probe_labels):
         raise SystemExit(f"--probe-labels: each count must be >= 1, got {args.probe_labels}")
     # the train command's rules (SCHEMA) for the settings the two commands share
-    shared = (("--noise-seed", SCHEMA["noise_seed"], args.noise_seed), ("--hidden", _widths, args.hidden),
+    shared = (("--noise-seed", SCHEMA["noise_seed"], args.noise_seed), ("--seed", SCHEMA["seed"], args.seed),
+              ("--hidden", _widths, args.hidden),
               ("--channels", _widths, args.channels),
               ("--embedding-dim", _number(int, 0, _MAX_SIZE), args.embedding_dim),
               ("--lr", SCHEMA["lr"], args.lr), ("--tau", SCHEMA["tau"], args.tau),

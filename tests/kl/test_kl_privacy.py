@@ -301,6 +301,7 @@ def test_kl_study_cli_end_to_end(shared_data, tmp_path, capsys):
     (["--depth", "99999999999999999999"], "depth must be below 2\\^31"),
     (["--width", "99999999999999999999"], "width must be below 2\\^31"),
     (["--runs", "99999999999999999999"], "runs must be below 2\\^31"),
+    (["--seed", "99999999999999999999"], "seed must be an integer of magnitude below 2\\^53"),
 ])
 def test_kl_study_settings_refused_before_anything_runs(tmp_path, flags, match):
     from clipless.cli import main

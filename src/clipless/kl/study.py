@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..data.datasets import load_mnist
 from ..diagnostics.membership import loss_threshold_attack
 from ..diagnostics.plots import save_figure
-from ..privacy.certified import whole_number
+from ..privacy.certified import is_whole, whole_number
 from ..privacy.accounting import check_positive_finite
 from ..privacy.distributed import world
 from ..train.checkpoint import claim_directory, keep_earlier_files, write_atomically
@@ -75,6 +75,8 @@ class KLStudyConfig:
         for name, (value, low) in counts.items():
             if whole_number(value, name, low) >= 2 ** 31:  # torch's sizes and loops past this fail without a word
                 raise ValueError(f"{name} must be below 2^31, got {value}")
+        if not (is_whole(self.seed) and abs(self.seed) < 2 ** 53):  # torch's generators take 64-bit seeds
+            raise ValueError(f"seed must be an integer of magnitude below 2^53, got {self.seed!r}")
         for name in ("eta", "sigma", "mia_sigma"):
             value = check_positive_finite(getattr(self, name), name)
             if value * value == 0:  # the study divides by its square
