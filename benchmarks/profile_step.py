@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from report import use_allocator, write_json, write_text
-from speed import _build
+from speed import _build, ieee_float32
 from torch.profiler import ProfilerActivity, profile
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
@@ -126,6 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ieee_float32(args.device)  # the private step refuses TF32 convolutions: the phases of the cnn failed on CUDA
     if args.phases:
         use_allocator("tuned")  # as the speed benchmark's workers and the CLI
         for model_name in args.models:
@@ -137,8 +138,6 @@ def main() -> None:
         return
     cuda = args.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.backends.cudnn.conv.fp32_precision = "ieee"
     for model in args.models:
         for method in ("standard", "lipschitz", "clipless"):
             step = _build(method, model, args.batch, args.device)

@@ -153,18 +153,25 @@ def _build(method: str, model_name: str, batch: int, device: str):
     return step
 
 
+def ieee_float32(device: str) -> None:
+    """On CUDA, cuDNN's float32 convolutions in IEEE float32 (TF32 by default), the arithmetic the private step's
+    bounds are certified for, for every method alike."""
+    if not device.startswith("cuda"):
+        return
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        conv.fp32_precision = "ieee"
+    else:  # torch before 2.9
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def worker(method: str, model_name: str, batch: int, repeats: int, threads: int, device: str,
            allocator: str) -> None:
     use_allocator(allocator)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     cuda = device.startswith("cuda")
-    if cuda:  # every method in IEEE float32, the arithmetic the private step's bounds are certified for
-        conv = getattr(torch.backends.cudnn, "conv", None)
-        if conv is not None and hasattr(conv, "fp32_precision"):
-            conv.fp32_precision = "ieee"
-        else:  # torch before 2.9
-            torch.backends.cudnn.allow_tf32 = False
+    ieee_float32(device)
     step = _build(method, model_name, batch, device)
     if cuda:
         torch.cuda.synchronize()
