@@ -655,6 +655,13 @@ def _augmentation(config: Dict[str, Any], shape: Tuple[int, ...]) -> Any:
     return ImageAugmentation(config["augment_shift"], config["augment_flip"])
 
 
+def _refuse_unread(unread: Dict[str, Tuple[bool, str]]) -> None:
+    """Refuse the first setting given that nothing of the run reads: ``{flag: (given, why it would not be used)}``."""
+    for flag, (given, why) in unread.items():
+        if given:
+            raise SystemExit(f"{flag} would not be used: {why}")
+
+
 def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     if config["method"] != "clipless" and torch.distributed.is_initialized():
         raise SystemExit(f"--method {config['method']}: the baselines run in one process; only clipless training is "
@@ -693,9 +700,7 @@ def run_train(config: Dict[str, Any]) -> Dict[str, Any]:
     if config["method"] == "nonprivate":  # (--epsilon, --delta and --accountant pass: scripts give every method them)
         for flag, key in (("--noise-multiplier", "noise_multiplier"), ("--noise-seed", "noise_seed")):
             unread[flag] = (config[key] != DEFAULTS[key], "--method nonprivate adds no noise")
-    for flag, (given, why) in unread.items():
-        if given:
-            raise SystemExit(f"{flag} would not be used: {why}")
+    _refuse_unread(unread)
     if config["model"] == "mlp" and not config["hidden"] and config["activation"] != DEFAULTS["activation"]:
         raise SystemExit(f"--activation {config['activation']}: the mlp has no hidden layer (--hidden is empty), "
                          "so no activation would be used; give --hidden widths or drop --activation")
@@ -917,9 +922,7 @@ def run_pretrain(args: argparse.Namespace) -> Dict[str, Any]:
         for flag, key in (("--clip-norm", "clip_norm"), ("--noise-multiplier", "noise_multiplier"),
                           ("--secure-noise", "secure_noise")):
             unread[flag] = (getattr(args, key) != defaults[key], "--method nonprivate clips nothing and adds no noise")
-    for flag, (given, why) in unread.items():
-        if given:
-            raise SystemExit(f"{flag} would not be used: {why}")
+    _refuse_unread(unread)
     try:
         AugmentedPairs.check_settings(args.blur, args.pixel_noise)
     except ValueError as err:

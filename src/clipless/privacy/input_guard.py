@@ -1046,24 +1046,30 @@ class StepGuard:
         parts = [d for task in self._released for d in self._digests.get(task, [])]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
+    def _released_rows_with(self, per_task: Dict[int, List[Any]]) -> Iterator[Tuple[torch.Tensor, Any]]:
+        """``(input row digests, entry)`` of each released forward, with its entry of ``per_task``."""
+        for task in self._released:
+            yield from zip(self._digests.get(task, []), per_task.get(task, []))
+
+    @staticmethod
+    def _joined(parts: List[Tuple[torch.Tensor, torch.Tensor]],
+                empty: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The row digests and the entries of ``parts``, each concatenated (``empty`` entries without parts)."""
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64), empty
+        return torch.cat([d for d, _ in parts]), torch.cat([t.to(d.device) for d, t in parts])
+
     def released_labelled_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Row digests of the inputs and of the loss targets, row for row, of the released forwards whose loss was
         given one target row per example."""
-        parts = [(d, t) for task in self._released
-                 for d, t in zip(self._digests.get(task, []), self._labels.get(task, [])) if t is not None]
-        if not parts:
-            empty = torch.zeros(0, dtype=torch.int64)
-            return empty, empty
-        return torch.cat([d for d, _ in parts]), torch.cat([t.to(d.device) for d, t in parts])
+        parts = [(d, t) for d, t in self._released_rows_with(self._labels) if t is not None]
+        return self._joined(parts, torch.zeros(0, dtype=torch.int64))
 
     def released_weighted_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Row digests of the inputs and the loss weights, row for row, of the released forwards whose losses
         entered the backward with weights that differ within a label (each must be its record's own)."""
-        parts = [(d, w) for task in self._released
-                 for d, ws in zip(self._digests.get(task, []), self._weights.get(task, [])) for w in ws]
-        if not parts:
-            return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
-        return torch.cat([d for d, _ in parts]), torch.cat([w.to(d.device) for d, w in parts])
+        parts = [(d, w) for d, ws in self._released_rows_with(self._weights) for w in ws]
+        return self._joined(parts, torch.zeros(0))
 
     def finish_step(self, params: Sequence[torch.Tensor], weights: Optional[List[torch.Tensor]] = None) -> None:
         """After a released step: clear the gradients and start the next step.  ``weights``: copies of
