@@ -69,10 +69,9 @@ class _NoChecks:
     def clear_gradient_state(self) -> None:
         pass
 
-    def released_weighted_rows(self):
-        """No forward weighed its rows unevenly (none is watched)."""
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty
+    def released_loss_weights(self):
+        """No forward's loss weights were seen (none is watched)."""
+        return []
 
     def finish_step(self, params, weights=None) -> None:
         for p in params:

@@ -11,8 +11,8 @@ The oracle follows what each action did, with the noise made negligible:
 
 - an **accepted** step accounts exactly one step, follows exactly one new batch, and releases
   ``sum_i w_i g_i / b`` where ``g_i`` are autograd's per-example gradients of that batch's rows at the weights the
-  last step released (``w_i`` the loss weight of row ``i``: at most ``1/K`` in absolute value for each row, at
-  most 1 and ``K`` rows for each example) and nothing else: no earlier batch, no weight edited by hand, no stale
+  last step released (``w_i`` the loss weight of row ``i``: one weight for every row of the step, ``1``, ``1/K`` or
+  ``1/n`` over its ``n`` rows; at most ``K`` rows for each example) and nothing else: no earlier batch, no weight edited by hand, no stale
   forward; the inner optimizer's step starts from the momentum the accepted steps left (or a resume loaded), none
   edited by hand; a resume goes on composing the saved steps;
 - a **refused** step accounts nothing and leaves the model and the momentum as the last step released them.
@@ -117,7 +117,13 @@ class Loop(RuleBasedStateMachine):
     def _weights_allowed(self):
         """Each row weighs at most 1/K in absolute value, each example at most 1 in at most K rows (the guard cannot
         tell an example's K rows apart, so a row weighing 1 is refused when K > 1).  A negative weight (gradient
-        ascent) is within the bound: ``||-g_i|| = ||g_i||``."""
+        ascent) is within the bound: ``||-g_i|| = ||g_i||``, but the guard cannot tell a constant scale or sign
+        from one the loop set from the batch, so every row of a step must weigh the same: the sum's 1, the mean's
+        ``1/n`` over the step's ``n`` rows, or ``1/K``."""
+        weights = {w for _, _, w in self.rows}
+        if len(weights) > 1 or any(abs(w * self.K - 1) > 1e-6 and abs(w * len(self.rows) - 1) > 1e-6
+                                   for w in weights):
+            return False
         copies, total = {}, {}
         for _, i, w in self.rows:
             copies[i] = copies.get(i, 0) + 1

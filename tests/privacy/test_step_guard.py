@@ -577,7 +577,7 @@ def test_a_records_own_weight_passes_and_weights_from_other_records_are_refused(
         opt.step()
         assert engine.accountant.steps == steps + 1
     else:
-        message = _refused(opt, engine, "entered the backward with different weights for examples of the same label")
+        message = _refused(opt, engine, "entered the backward with weights other than")
         assert "(loss.per_example(model(x), y) * w).sum()" in message
 
 
@@ -639,14 +639,69 @@ def test_loss_weights_that_depend_on_other_examples_refused(how):
               "softmax_weights": lambda v: (v * torch.softmax(v.detach(), 0)).sum(),
               "first_rows_by_position": lambda v: v[: len(v) // 2].sum()}[how]
     reduce(values).backward()
-    message = _refused(opt, engine, "different weights for examples of the same label")
+    message = _refused(opt, engine, "entered the backward with weights other than")
     assert "sum()" in message
-    class_weights = torch.tensor([1.0, 0.25, 0.5])
-    for reduce in (lambda v, y: (v * class_weights[y]).sum(), lambda v, y: v.mean(), lambda v, y: v.sum()):
+
+
+@pytest.mark.parametrize("how", ["scaled to zero", "halved", "class weights", "class-weighted mean",
+                                 "mean of each part", "a part summed, a part scaled"])
+def test_loss_weights_set_by_the_loop_are_refused_even_when_even_within_labels(how):
+    """Weights equal within each label passed: the loop could set them from the batch it sees (a scale of 0 when a
+    target record is in the batch, a label's weight from the batch's majority label, a mean weighted by the batch's
+    class weights, which moves every weight when one record is added: up to twice the bound, or more), and no check
+    can tell a constant from such a choice at the first step.  Only the sum's 1, the mean's 1/n over the step's rows
+    and 1/K per augmented row are accepted, or each record's own weight column."""
+    model, opt, loss, engine, _, loader = _setup_with_loader()
+    bx, by = _honest_steps_until(opt, loss, model, loader, lambda bx, by: len(by) >= 4 and len(set(by.tolist())) > 1)
+    opt.zero_grad()
+    half = len(bx) // 2
+    if how in ("mean of each part", "a part summed, a part scaled"):
+        first = loss.per_example(model(bx[:half]), by[:half])
+        second = loss.per_example(model(bx[half:]), by[half:])
+        if how == "mean of each part":  # the step's rows are n, each part's mean weighs its rows 1/|part|
+            (first.mean() + second.mean()).backward()
+        else:  # one even weight per forward, but which rows get which is the loop's choice
+            (first.sum() + 0.5 * second.sum()).backward()
+    else:
+        values = loss.per_example(model(bx), by)
+        class_weights = torch.tensor([1.0, 0.25, 0.5])[by]
+        {"scaled to zero": lambda: (0.0 * values.sum()), "halved": lambda: 0.5 * values.sum(),
+         "class weights": lambda: (values * class_weights).sum(),
+         "class-weighted mean": lambda: (values * class_weights).sum() / class_weights.sum()}[how]().backward()
+    message = _refused(opt, engine, "entered the backward with weights other than")
+    assert "a column of each record" in message and str(len(bx)) not in message
+    for reduce in (lambda v: v.mean(), lambda v: v.sum(), lambda v: v.sum() / v.shape[0]):  # then these pass
         bx, by = next(iter(loader))
         opt.zero_grad()
-        reduce(loss.per_example(model(bx), by), by).backward()
+        reduce(loss.per_example(model(bx), by)).backward()
+        steps = engine.accountant.steps
         opt.step()
+        assert engine.accountant.steps == steps + 1
+
+
+def test_the_mean_moves_the_released_sum_by_at_most_the_bound_and_a_weighted_mean_by_more():
+    """Why the mean passes and a class-weighted mean does not: with true per-example gradients from autograd,
+    adding one record to a batch moves the mean's gradient by at most ``2C/(n+1) <= C``; with class weights
+    normalized by the batch's sum of weights, a record of a heavy class added to a batch of light ones moves it by
+    nearly ``2C``."""
+    model, opt, loss, engine, data, _ = _setup_with_loader()
+    grads = per_example_grads(model, loss, data.features[:40], data.labels[:40])
+    flat = torch.cat([g.flatten(1) for g in grads], dim=1).double()
+    bound = opt.bound_engine.compute().global_sensitivity
+    assert float(flat.norm(dim=1).max()) <= bound * (1 + 1e-5)
+    gen = torch.Generator().manual_seed(5)
+    worst_mean = 0.0
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        rows = torch.randperm(40, generator=gen)[: n + 1]
+        batch, added = flat[rows[:n]], flat[rows[n]]
+        moved = (torch.cat([batch, added[None]]).mean(0) - batch.mean(0)).norm()
+        worst_mean = max(worst_mean, float(moved) / bound)
+    assert worst_mean <= 1.0
+    light, heavy = flat[0], -flat[0]  # a light record alone, then a heavy one pointing the other way
+    weights = torch.tensor([1e-3, 1.0], dtype=torch.float64)
+    weighted = (weights[0] * light + weights[1] * heavy) / weights.sum()
+    assert float((weighted - light).norm()) > 1.9 * float(light.norm())
 
 
 def test_row_digests_use_the_same_weights_on_every_device():

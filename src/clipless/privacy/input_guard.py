@@ -58,7 +58,7 @@ __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm
            "global_hooks_registered", "module_hooks", "active_torch_mode", "saved_tensor_hooks_active",
            "replaced_forward", "redefined_call_path", "CLASS_CALL_PATH",
            "check_precision", "row_digests", "batch_row_digests", "digest_seed", "use_digest_seed", "rows_repeated",
-           "undrawn_records", "rows_not_drawn", "rows_beyond",
+           "undrawn_records", "rows_not_drawn", "rows_beyond", "LOSS_WEIGHTS", "allowed_uniform_weight",
            "backward_pass_id",
            "INPUT_BOUND_TOLERANCE", "DATA_BOUND_REFUSAL", "above_data_bound", "all_finite"]
 
@@ -242,29 +242,24 @@ def rows_beyond(inputs: torch.Tensor, reference: torch.Tensor, k: int) -> bool:
     return bool((counts > allowed).any())
 
 
-UNEVEN_WEIGHTS = ("the per-example losses of one forward entered the backward with different weights for examples of "
-                  "the same label (max(), a top-k or trimmed sum, weights normalized over the batch, a selection by "
-                  "position): which example gets which weight then depends on the other examples, so one added "
-                  "record moves several examples' gradients, beyond the certified bound; backpropagate "
-                  "loss.per_example(model(x), y).sum() (or the mean; weights that depend on the label alone pass, "
-                  "and so does each record's own weight in [0, 1], a column of its batch as the private loader yields "
-                  "it: (loss.per_example(model(x), y) * w).sum())")
+LOSS_WEIGHTS = ("the per-example losses entered the backward with weights other than one of these: 1 for every row "
+                "(the sum), 1/n for every row of the step's n rows (the mean), 1/K for every row (the mean over each "
+                "example's K augmented rows, summed), or each record's own weight column. Any other weights are set "
+                "by the loop from the batch it sees (a scale, class weights, a weighted mean that divides by the "
+                "batch's weights, max(), a top-k or trimmed sum, a selection by position), so one added record can "
+                "move several examples' gradients, beyond the certified bound; backpropagate "
+                "loss.per_example(model(x), y).sum() or .mean(), scale the step through the learning rate, and give "
+                "class or sample weights in [0, 1] as a column of each record ((x, y, w) from the Dataset, "
+                "(loss.per_example(model(x), y) * w).sum())")
+# Relative float32 slack of a mean's or a 1/K weight against 1/n or 1/K: two roundings of a quotient
+_WEIGHT_TOL = 2.0 ** -20
 
 
-def _uneven_within_labels(weights: torch.Tensor, labels: Optional[torch.Tensor]) -> bool:
-    """Whether two rows of one forward with equal labels (all rows, without labels) enter the backward with
-    different loss weights."""
-    w = weights.detach().reshape(-1)
-    if bool((w == w[0]).all()):
-        return False
-    if labels is None or labels.shape[0] != w.numel():
-        return True
-    _, group = torch.unique(labels.reshape(w.numel(), -1).to(w.device), dim=0, return_inverse=True)
-    low = torch.full((int(group.max()) + 1,), math.inf, dtype=w.dtype, device=w.device)
-    high = torch.full_like(low, -math.inf)
-    low = low.scatter_reduce(0, group, w, "amin")
-    high = high.scatter_reduce(0, group, w, "amax")
-    return bool((low != high).any())
+def allowed_uniform_weight(weight: float, rows: int, k: int) -> bool:
+    """Whether every row's loss weight ``weight`` is the sum's ``1``, the mean's ``1/rows`` over the step's rows
+    or ``1/k`` per augmented row (up to :data:`_WEIGHT_TOL`): each a constant or the step's own batch size, with
+    which one record moves the released sum by at most its bound (the mean: ``2C/(n+1) <= C``)."""
+    return abs(weight * k - 1.0) <= _WEIGHT_TOL or abs(weight * rows - 1.0) <= _WEIGHT_TOL
 
 
 def largest_norm(x: torch.Tensor, bound: float) -> float:
@@ -518,7 +513,7 @@ class _ForwardRecord:
         self.changed = changed  # why the model at the forward differs from the bounds' (a constant, a buffer), or None
         self.digests = digests  # row_digests of the forward's input
         self.labels: Optional[torch.Tensor] = None  # row_digests of the targets its loss was given, row for row
-        self.weights: List[torch.Tensor] = []  # each of its losses' weights, row for row, where they differ in a label
+        self.weights: Optional[torch.Tensor] = None  # the weights its losses entered the backward with, row for row
         self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
         self.losses: List[Any] = []  # the clipless losses applied to this output
@@ -564,8 +559,8 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
         raise BoundError("a clipless loss must return one value per example, got "
                          + (f"per-example shape {tuple(values.shape[1:])}" if values.dim() > 1 else
                             "a scalar" if values.dim() == 0 else "another number of values than of examples"))
-    # the weight each loss enters the gradient with, against its rows' labels
-    return _Tap.apply(values, lambda weights: record.guard._loss_weights(weights, rows, record))
+    # the weight each loss enters the gradient with: checked at the step against the step's rows
+    return _Tap.apply(values, lambda weights: record.guard._loss_weights(weights, record))
 
 
 _WATCH_ATTR = "_clipless_watch"
@@ -828,9 +823,10 @@ class StepGuard:
     def _problem(self, why: str) -> None:
         self._problems.setdefault(backward_pass_id(), why)
 
-    def _loss_weights(self, weights: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                      record: Optional[_ForwardRecord] = None) -> None:
-        if weights.numel() == 0:
+    def _loss_weights(self, weights: torch.Tensor, record: Optional[_ForwardRecord] = None) -> None:
+        if weights.numel() == 0:  # an empty forward: no rows, no weights (None stays "never seen")
+            if record is not None and record.weights is None:
+                record.weights = weights.detach().reshape(-1).clone()
             return
         largest = float(weights.abs().max())  # never shown: a mean's weight 1/|B| is a Poisson batch's secret size
         k = self.rows_per_example
@@ -854,13 +850,12 @@ class StepGuard:
                 "the per-example losses enter the backward with weights below 1 (a mean or a "
                 "scaled loss): the noise is calibrated to the SUM of per-example gradients, so this wastes privacy "
                 "budget; backpropagate loss.per_example(model(x), y).sum()", stacklevel=2)
-        # after the checks of the largest weight, whose refusals name the weight
-        if _uneven_within_labels(weights, labels):
-            if k == 1 and record is not None and record.digests is not None:
-                # each row's own record's weight (a column of the drawn batch) passes: the step compares them
-                record.weights.append(weights.detach().reshape(-1).clone())
-            else:
-                self._problem(UNEVEN_WEIGHTS)
+        # after the checks of the largest weight, whose refusals name the weight; the step checks the rest
+        w = weights.detach().reshape(-1)
+        if record is not None:  # the losses applied to one output add up, row for row
+            record.weights = w.clone() if record.weights is None else record.weights + w
+        if not bool((w == w[0]).all()) and (k > 1 or record is None or record.digests is None):
+            self._problem(LOSS_WEIGHTS)  # uneven weights pass only as each drawn record's own, which needs digests
 
     def _output_grad(self, record: _ForwardRecord, grad: torch.Tensor) -> None:
         loss_grad, record.loss_grad = record.loss_grad, None
@@ -915,10 +910,10 @@ class StepGuard:
             mass, nonzero, rows = self._mass.get(task, (0.0, 0, 0))
             self._mass[task] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
                                 rows + int(norms.numel()))
+            self._weights.setdefault(task, []).append(record.weights)
             if record.digests is not None:
                 self._digests.setdefault(task, []).append(record.digests)
                 self._labels.setdefault(task, []).append(record.labels)
-                self._weights.setdefault(task, []).append(record.weights)
             return
         self._problem(why)
 
@@ -1065,10 +1060,17 @@ class StepGuard:
         parts = [(d, t) for d, t in self._released_rows_with(self._labels) if t is not None]
         return self._joined(parts, torch.zeros(0, dtype=torch.int64))
 
+    def released_loss_weights(self) -> List[Optional[torch.Tensor]]:
+        """The weights each released forward's losses entered the backward with, row for row (``None``: none
+        seen)."""
+        return [w for task in self._released for w in self._weights.get(task, [])]
+
     def released_weighted_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Row digests of the inputs and the loss weights, row for row, of the released forwards whose losses
-        entered the backward with weights that differ within a label (each must be its record's own)."""
-        parts = [(d, w) for d, ws in self._released_rows_with(self._weights) for w in ws]
+        """Row digests of the inputs and the loss weights, row for row, of the released forwards (all of them, or
+        empty ones where a forward has no digests or no weights)."""
+        parts = list(self._released_rows_with(self._weights))
+        if len(parts) != len(self.released_loss_weights()) or any(w is None for _, w in parts):
+            parts = []
         return self._joined(parts, torch.zeros(0))
 
     def finish_step(self, params: Sequence[torch.Tensor], weights: Optional[List[torch.Tensor]] = None) -> None:

@@ -28,7 +28,7 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import (UNEVEN_WEIGHTS, InputGuard, StepGuard, row_digests, rows_beyond, rows_not_drawn,
+from .input_guard import (LOSS_WEIGHTS, allowed_uniform_weight, InputGuard, StepGuard, row_digests, rows_beyond, rows_not_drawn,
                           rows_repeated, undrawn_records, unwatched)
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
@@ -525,17 +525,30 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "computes from each row alone, such as the model's predictions, are declared with their "
                              "rows: dp_optimizer.derived_rows_(x))")
 
-    def _check_own_weights(self) -> None:
-        """Loss weights that differ within a label pass only as each row's own record's weight: a column of the
-        batch drawn from the private loader, paired with the row's input (``(x, y, w)``: ``(l * w).sum()``).  It
-        moves that record's gradient alone, within its bound (the weights are at most 1); any other uneven weights
-        depend on other examples.  Rows the loop declared are not drawn rows and have no such column."""
-        seen, weights = self.guard.released_weighted_rows()
-        if seen.numel() == 0:
+    def _check_loss_weights(self) -> None:
+        """Every row of the step must enter the backward with one weight that reads no other example: the sum's 1,
+        the mean's ``1/n`` over the step's ``n`` rows, ``1/K`` per augmented row, or each row's own record's weight,
+        a column of the batch drawn from the private loader paired with the row's input (``(x, y, w)``:
+        ``(l * w).sum()``), which moves that record's gradient alone (the weights are at most 1).  Anything else
+        (a scale, class weights, a selection) is set by the loop, which sees the whole batch, and may depend on the
+        other examples; that one record moves the released sum by at most its bound is not known for it."""
+        weights = self.guard.released_loss_weights()
+        if not weights:
             return
-        drawn = self._drawn_column_pairs(self._loader_in_use())
-        if drawn is None or rows_beyond(_pair_digests(seen.cpu(), row_digests(weights).cpu()), drawn, 1):
-            raise BoundError(UNEVEN_WEIGHTS)
+        if any(w is None for w in weights):
+            raise BoundError(LOSS_WEIGHTS)
+        flat = torch.cat([w.reshape(-1) for w in weights])  # type: ignore[union-attr]
+        if flat.numel() == 0:
+            return
+        first = float(flat[0])
+        if bool((flat == flat[0]).all()) and allowed_uniform_weight(first, flat.numel(),
+                                                                    self.augmentation_multiplicity):
+            return
+        seen, own = self.guard.released_weighted_rows()
+        drawn = self._drawn_column_pairs(self._loader_in_use()) if self.augmentation_multiplicity == 1 else None
+        if drawn is None or seen.numel() != flat.numel() or \
+                rows_beyond(_pair_digests(seen.cpu(), row_digests(own).cpu()), drawn, 1):
+            raise BoundError(LOSS_WEIGHTS)
 
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
         return snapshot_state(_model_state(self.bound_engine.model))
@@ -688,7 +701,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         """Every check of the step's gradients, then the certified bounds they are noised with."""
         self.guard.check_step(params)
         self._check_rows()
-        self._check_own_weights()
+        self._check_loss_weights()
         report = self.bound_engine.compute()
         bounded = [id(p) for layer in report.layers for p in layer.params]
         noised = set(bounded)
