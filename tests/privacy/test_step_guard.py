@@ -704,6 +704,88 @@ def test_the_mean_moves_the_released_sum_by_at_most_the_bound_and_a_weighted_mea
     assert float((weighted - light).norm()) > 1.9 * float(light.norm())
 
 
+class _ScaledLoss(cl.TauCrossEntropy):
+    """A user's loss with an attribute the loop might set (from the batch, say)."""
+    scale = 1.0
+
+    def per_example(self, logits, target):
+        return super().per_example(logits, target) * self.scale
+
+
+@pytest.mark.parametrize("change", ["tau from the batch", "attribute set in the loop", "class attribute",
+                                    "another class", "an equal copy"])
+def test_a_loss_other_than_the_declared_one_or_changed_since_is_refused(change):
+    """A loss with the declared constant but another temperature passed (``TauCrossEntropy``'s constant is sqrt(2)
+    at every tau), and so did a loss whose attribute the loop set: a temperature or scale set from the batch makes
+    every example's loss depend on the others.  Every loss applied must now equal the one given to make_private
+    (class, constants, attributes); an equal copy passes."""
+    declared = _ScaledLoss(2.0)
+    model, opt, loss, engine, _, loader = _setup_with_loader(loss=declared)
+    bx, by = _honest_steps_until(opt, loss, model, loader, lambda bx, by: len(by) >= 2)
+    opt.zero_grad()
+    used = {"tau from the batch": lambda: _ScaledLoss(tau=0.5 + float((by == 1).float().mean())),
+            "another class": lambda: cl.TauCrossEntropy(2.0), "an equal copy": lambda: _ScaledLoss(2.0)}.get(
+        change, lambda: declared)()
+    if change == "attribute set in the loop":
+        declared.scale = 0.5
+    elif change == "class attribute":
+        _ScaledLoss.scale = 0.5
+    try:
+        used.per_example(model(bx), by).sum().backward()
+    finally:
+        _ScaledLoss.scale = 1.0
+    if change == "an equal copy":
+        steps = engine.accountant.steps
+        opt.step()
+        assert engine.accountant.steps == steps + 1
+    else:
+        _refused(opt, engine, "another loss than the one given to make_private")
+
+
+class _Coupled(cl.TauCrossEntropy):
+    how = "centered"
+
+    def per_example(self, logits, target):
+        if self.how == "centered":  # the logits centred on the batch's mean
+            return super().per_example(logits - logits.mean(0) + logits.mean(0).detach(), target)
+        values = super().per_example(logits, target)
+        if self.how == "normalized":  # each loss weighed by its share of the batch's largest
+            return values * (values.detach() / values.detach().max())
+        if self.how == "needs two rows":
+            return values * float(len(values) > 1)
+        if self.how == "one row raises":
+            if len(values) < 2:
+                raise ValueError("a batch of one")
+            return values
+        if self.how == "mixed with torch's cross entropy":
+            return 0.5 * values + 0.5 * torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        return values if float(values.detach().sum()) >= 0 else -values  # a branch vmap cannot run: rows one at a time
+
+
+@pytest.mark.parametrize("how", ["centered", "normalized", "needs two rows", "one row raises",
+                                 "mixed with torch's cross entropy", "branch on a value"])
+def test_a_custom_loss_whose_examples_depend_on_each_other_is_refused(how):
+    """A user's ``per_example`` may compute from the whole batch (logits centred on the batch mean, losses
+    normalized by the batch's): each example's gradient then depends on the others, which no bound covers.  The
+    step recomputes a custom loss on each row alone and compares the gradients it sent; losses computed row by row
+    pass, also where vmap cannot run them."""
+    declared = _Coupled(1.0)
+    declared.how = how
+    model, opt, loss, engine, _, loader = _setup_with_loader(loss=declared)
+    if how in ("mixed with torch's cross entropy", "branch on a value"):  # every step of an epoch released
+        for bx, by in loader:
+            opt.zero_grad()
+            loss.per_example(model(bx), by).sum().backward()
+            opt.step()
+        assert engine.accountant.steps == len(loader)
+        return
+    bx, by = next(b for b in loader if len(b[1]) >= 2)
+    opt.zero_grad()
+    loss.per_example(model(bx), by).sum().backward()
+    message = _refused(opt, engine, "couples the examples of a batch")
+    assert "_Coupled" in message
+
+
 def test_row_digests_use_the_same_weights_on_every_device():
     """The loader digests its batch on the CPU and the step digests the forward's rows where they run: on a GPU the
     weights were drawn afresh per device, so no row of a CUDA forward ever matched the batch and the row checks

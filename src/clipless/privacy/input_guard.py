@@ -39,6 +39,7 @@ than the certified per-example bounds allow for the batch's output gradients (a 
 
 from __future__ import annotations
 
+import copy
 import contextlib
 import functools
 import importlib
@@ -502,7 +503,7 @@ class _ForwardRecord:
     """One gradient-recording forward of the private model, until its backward reaches the output."""
 
     __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked", "changed", "digests",
-                 "labels", "weights", "task", "entry")
+                 "labels", "weights", "task", "entry", "calls", "loss_changed")
 
     def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str],
                  digests: Optional[torch.Tensor], changed: Optional[str] = None,
@@ -517,6 +518,8 @@ class _ForwardRecord:
         self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
         self.losses: List[Any] = []  # the clipless losses applied to this output
+        self.calls: List[_LossCall] = []  # and what the step needs to compute their rows alone
+        self.loss_changed: Optional[str] = None  # why a loss applied is not the one the bounds were computed for
         self.backpropagated = False
 
     def add_loss_grad(self, grad: torch.Tensor) -> None:
@@ -538,21 +541,149 @@ class _Tap(torch.autograd.Function):
         return grad, None
 
 
+def loss_state(loss: Any) -> Tuple[Tuple[str, Any], ...]:
+    """What a loss computes with besides its input: its class, every value its instance holds (declared constants
+    and other attributes, copied), its parameters and buffers, its sub-modules' states, and the plain values its
+    classes define; compared with :func:`same_loss_state`."""
+    items: List[Tuple[str, Any]] = [("class", type(loss))]
+    for name, value in sorted(vars(loss).items()):
+        if name == "training" or (name.startswith("_") and isinstance(value, (dict, set))):
+            continue  # torch's module bookkeeping (hooks, parameter and module tables, read below)
+        items.append((name, _copied(value)))
+    if isinstance(loss, nn.Module):
+        items += [(f"tensor {name}", t.detach().clone()) for name, t in loss.named_parameters(recurse=False)]
+        items += [(f"tensor {name}", t.detach().clone()) for name, t in loss.named_buffers(recurse=False)]
+        items += [(f"module {name}", loss_state(child)) for name, child in loss.named_children()]
+    for cls in type(loss).__mro__:
+        if cls in (nn.Module, object):
+            continue
+        items += [(f"{cls.__name__}.{name}", _copied(value)) for name, value in sorted(vars(cls).items())
+                  if not name.startswith("_") and isinstance(value, (bool, int, float, str, tuple, torch.Tensor))]
+    return tuple(items)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    try:
+        return copy.deepcopy(value)  # a list or array edited in place must not change the snapshot with it
+    except Exception:
+        return value
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach().cpu()))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # values without a plain equality (arrays): only the same object is the same
+        return False
+
+
+def same_loss_state(a: Tuple[Tuple[str, Any], ...], b: Tuple[Tuple[str, Any], ...]) -> bool:
+    """Whether two :func:`loss_state` snapshots hold the same class and values."""
+    return len(a) == len(b) and all(na == nb and _same_value(va, vb) for (na, va), (nb, vb) in zip(a, b))
+
+
+LOSS_CHANGED = ("the backward came from another loss than the one given to make_private (another class, or other "
+                "constants or attributes: a temperature, a scale or a class weight set in the loop, perhaps from "
+                "the batch, makes every example's loss depend on the other examples); use the loss given to "
+                "make_private, or an equal copy, unchanged")
+LOSS_COUPLED = ("the per_example of the loss {name} couples the examples of a batch: the gradient it sent to a row "
+                "of the model's output is not that of the row's loss computed alone, a batch of one (a mean, a "
+                "normalization or a scale over the batch, or a loss that cannot compute one example alone): one "
+                "added record then moves every example's gradient, beyond the certified bound; compute each "
+                "example's loss from its own output and target only")
+
+
+def _custom_loss(loss: Any) -> bool:
+    """A loss class defined outside clipless: its ``per_example`` is checked row by row at the step."""
+    return type(loss).__module__.partition(".")[0] != "clipless"
+
+
+class _LossCall:
+    """One clipless loss applied to a guarded output: what the step needs to compute its rows alone."""
+
+    __slots__ = ("loss", "row", "z", "target", "batched", "weights")
+
+    def __init__(self, loss: Any, row: Optional[Callable[[torch.Tensor, Any], torch.Tensor]], z: torch.Tensor,
+                 target: Any, batched: bool) -> None:
+        self.loss, self.row, self.z, self.target, self.batched = loss, row, z, target, batched
+        self.weights: Optional[torch.Tensor] = None  # the weights its per-example values entered the backward with
+
+
+def _row_gradients(call: _LossCall) -> torch.Tensor:
+    """Each row's gradient of ``call``'s loss at its output row, computed on that row alone (a batch of one)."""
+    row = call.row
+    if row is None:
+        raise BoundError(LOSS_COUPLED.format(name=type(call.loss).__name__))
+
+    def one(zi: torch.Tensor, ti: Any) -> torch.Tensor:
+        return row(zi.unsqueeze(0), ti.unsqueeze(0) if call.batched else ti).sum()
+
+    with torch.enable_grad():
+        try:
+            dims = (0, 0 if call.batched else None)
+            return torch.func.vmap(torch.func.grad(one), in_dims=dims)(call.z, call.target)
+        except Exception:  # user code vmap cannot run (.item(), data-dependent branches): one row at a time
+            pass
+        grads = []
+        try:
+            for i in range(call.z.shape[0]):
+                zi = call.z[i].detach().clone().requires_grad_(True)
+                value = one(zi, call.target[i] if call.batched else call.target)
+                (g,) = torch.autograd.grad(value, zi, allow_unused=True)
+                grads.append(torch.zeros_like(zi) if g is None else g)
+        except Exception as err:
+            raise BoundError(LOSS_COUPLED.format(name=type(call.loss).__name__)
+                             + f" (on one example alone it raised {type(err).__name__})") from None
+        return torch.stack(grads) if grads else torch.zeros_like(call.z)
+
+
+def coupled_loss(calls: Sequence[_LossCall], grad: torch.Tensor) -> Optional[str]:
+    """Why the output gradient ``grad`` is not the sum over ``calls`` of each row's weight times the gradient of
+    its loss on that row alone (up to :data:`_LOGIT_GRAD_TOL` relative), or ``None``."""
+    expected = torch.zeros_like(grad, dtype=torch.float64)
+    for call in calls:
+        if call.weights is None:
+            continue
+        h = _row_gradients(call).to(grad.device, torch.float64).reshape(grad.shape)
+        expected += call.weights.to(grad.device, torch.float64).view(-1, *[1] * (grad.dim() - 1)) * h
+    got = grad.detach().double()
+    diff = torch.linalg.vector_norm((got - expected).flatten(1), dim=1)
+    scale = torch.maximum(torch.linalg.vector_norm(got.flatten(1), dim=1),
+                          torch.linalg.vector_norm(expected.flatten(1), dim=1))
+    if bool((diff > _LOGIT_GRAD_TOL * scale).any()):
+        custom = next((c.loss for c in calls if _custom_loss(c.loss)), calls[0].loss)
+        return LOSS_COUPLED.format(name=type(custom).__name__)
+    return None
+
+
 def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tensor], torch.Tensor],
-             target: Any = None) -> torch.Tensor:
+             target: Any = None, row: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> torch.Tensor:
     """``per_example(logits)`` of the clipless ``loss``, watched by the step guard when ``logits`` is a guarded
-    model's output (``target``: the labels, one row per example, digested for the step's row checks).  Called by
+    model's output (``target``: the labels, one row per example, digested for the step's row checks; ``row(z, t)``:
+    the loss's own ``per_example``, with which the step computes a custom loss's rows one at a time).  Called by
     every :class:`~clipless.privacy.modules.LipschitzLoss`; one attribute look-up otherwise.
     """
     record = getattr(logits, _RECORD_ATTR, None)
     if record is None or not logits.requires_grad:
         return per_example(logits)
     record.losses.append(loss)
+    reference = record.guard.loss_reference
+    if reference is not None and record.loss_changed is None and not same_loss_state(loss_state(loss), reference):
+        record.loss_changed = LOSS_CHANGED
     # the labels as the loss reads them, one row per example: for the step's row checks and the weights' below
     rows = target.detach().clone() if isinstance(target, torch.Tensor) and target.dim() >= 1 and \
         target.shape[0] == logits.shape[0] else None
     if rows is not None and record.digests is not None:
         record.labels = row_digests(rows)
+    batched = rows is not None and isinstance(target, torch.Tensor)
+    call = _LossCall(loss, row, logits.detach().clone(), rows if batched else target, batched)
+    record.calls.append(call)
     values = per_example(_Tap.apply(logits, record.add_loss_grad))  # the gradient the loss sends to the logits
     if values.dim() != 1 or values.shape[0] != logits.shape[0]:
         # the shape without the batch size: a Poisson batch's size is secret
@@ -560,7 +691,7 @@ def tap_loss(loss: Any, logits: torch.Tensor, per_example: Callable[[torch.Tenso
                          + (f"per-example shape {tuple(values.shape[1:])}" if values.dim() > 1 else
                             "a scalar" if values.dim() == 0 else "another number of values than of examples"))
     # the weight each loss enters the gradient with: checked at the step against the step's rows
-    return _Tap.apply(values, lambda weights: record.guard._loss_weights(weights, record))
+    return _Tap.apply(values, lambda weights: record.guard._loss_weights(weights, record, call))
 
 
 _WATCH_ATTR = "_clipless_watch"
@@ -684,6 +815,8 @@ class StepGuard:
         self.rows_per_example = int(rows_per_example)
         self.sum_check = True  # check_sums on (the white-box step audit turns it off to measure a wrong bound)
         self.loss_name = type(loss).__name__ if loss is not None else "loss"
+        # the loss as given: every loss applied to the model's output must equal it (class, constants, attributes)
+        self.loss_reference = None if loss is None else loss_state(loss)
         self.loss_lipschitz = loss_lipschitz
         self.model_changed = model_changed
         self.before_release = before_release
@@ -739,7 +872,9 @@ class StepGuard:
         self._mass: Dict[int, Tuple[float, int, int]] = {}
         self._digests: Dict[int, List[torch.Tensor]] = {}  # backward -> row digests of the inputs of its forwards
         self._labels: Dict[int, List[Optional[torch.Tensor]]] = {}  # backward -> their loss targets' digests
-        self._weights: Dict[int, List[List[torch.Tensor]]] = {}  # backward -> their forwards' uneven loss weights
+        self._weights: Dict[int, List[Optional[torch.Tensor]]] = {}  # backward -> their forwards' loss weights
+        # backward -> (loss calls, output gradient) of its forwards where a custom loss was applied
+        self._row_checks: Dict[int, List[Tuple[List[_LossCall], torch.Tensor]]] = {}
         self._violation: Optional[str] = None
 
     def remove(self) -> None:
@@ -823,7 +958,11 @@ class StepGuard:
     def _problem(self, why: str) -> None:
         self._problems.setdefault(backward_pass_id(), why)
 
-    def _loss_weights(self, weights: torch.Tensor, record: Optional[_ForwardRecord] = None) -> None:
+    def _loss_weights(self, weights: torch.Tensor, record: Optional[_ForwardRecord] = None,
+                      call: Optional[_LossCall] = None) -> None:
+        if call is not None:
+            w = weights.detach().reshape(-1)
+            call.weights = w.clone() if call.weights is None else call.weights + w
         if weights.numel() == 0:  # an empty forward: no rows, no weights (None stays "never seen")
             if record is not None and record.weights is None:
                 record.weights = weights.detach().reshape(-1).clone()
@@ -890,6 +1029,8 @@ class StepGuard:
         elif loss_grad is None:
             why = ("the backward into the private model's output did not come from a clipless loss applied to that "
                    "output: backpropagate loss.per_example(model(x), y).sum()")
+        elif record.loss_changed is not None:
+            why = record.loss_changed
         elif any(float(loss.lipschitz) > lipschitz for loss in losses):
             why = (f"the backward came from a loss with a larger constant than the {self.loss_name} the bounds were "
                    "computed for; use the loss given to make_private")
@@ -911,6 +1052,8 @@ class StepGuard:
             self._mass[task] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
                                 rows + int(norms.numel()))
             self._weights.setdefault(task, []).append(record.weights)
+            if any(_custom_loss(call.loss) for call in record.calls):
+                self._row_checks.setdefault(task, []).append((record.calls, grad.detach().clone()))
             if record.digests is not None:
                 self._digests.setdefault(task, []).append(record.digests)
                 self._labels.setdefault(task, []).append(record.labels)
@@ -1000,6 +1143,11 @@ class StepGuard:
             if p.grad is not None and (p.grad is not grad or p.grad._version != version):
                 raise BoundError("a parameter holds a gradient that no backward of this step produced, or one changed "
                                  "after its backward (set or scaled by hand): its sensitivity is not the bound's" + fix)
+        for task in self._released:
+            for calls, grad in self._row_checks.get(task, []):
+                why = coupled_loss(calls, grad)
+                if why is not None:
+                    raise BoundError(why + fix)
         for record in {id(r.snapshot): r for r in self._released.values()}.values():
             if self._weights_differ(record.snapshot):
                 raise BoundError("the weights changed between the forward and the step: the noise would be calibrated "

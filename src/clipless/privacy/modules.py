@@ -147,7 +147,8 @@ class LipschitzLoss(DeclaredConstants, nn.Module):
         if impl is not None and not getattr(impl, "_tapped", False):
             @functools.wraps(impl)
             def per_example(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-                return tap_loss(self, logits, lambda z: impl(self, z, target), target)
+                return tap_loss(self, logits, lambda z: impl(self, z, target), target,
+                                lambda z, t: impl(self, z, t))
 
             per_example._tapped = True  # type: ignore[attr-defined]
             cls.per_example = per_example  # type: ignore[method-assign]
