@@ -20,6 +20,7 @@ from torch import nn
 import clipless as cl
 from clipless.privacy.calibration import BudgetExhaustedError
 from clipless.privacy.certified import BoundError
+from clipless.privacy.modules import BoundedModule, LayerBound
 from helpers import capture_released, per_example_grads
 
 SHAPE = (6,)
@@ -784,6 +785,59 @@ def test_a_custom_loss_whose_examples_depend_on_each_other_is_refused(how):
     loss.per_example(model(bx), by).sum().backward()
     message = _refused(opt, engine, "couples the examples of a batch")
     assert "_Coupled" in message
+
+
+class _CustomLayer(BoundedModule):
+    """A parameter-free layer of a user's, 1-Lipschitz on each example alone."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "centered on the batch":
+            return x - x.mean(0, keepdim=True) + x.mean(0, keepdim=True).detach()  # values kept, gradients coupled
+        if self.how == "gated by the batch":
+            return x * (x.detach().mean() > 0).to(x.dtype)
+        if self.how == "scaled by the batch's size":
+            return x / x.shape[0] ** 0.5
+        return 0.5 * x  # "per example"
+
+    def layer_bound(self, x_bound, in_shape):
+        return LayerBound(lipschitz=1.0, out_bound=x_bound)
+
+
+class _CustomSequential(nn.Sequential):
+    """A user's container class (one that overrides the forward is refused by the bound engine)."""
+
+
+@pytest.mark.parametrize("how", ["centered on the batch", "gated by the batch", "scaled by the batch's size",
+                                 "per example", "a container"])
+def test_a_custom_layer_whose_examples_depend_on_each_other_is_refused(how):
+    """A layer class of the user's (a ``BoundedModule``) may read the whole batch (a batch mean subtracted, a gate or a scale set by a batch statistic): each example's gradient then
+    depends on the others, beyond the certified bound, while its declared constants hold row by row.  With such
+    classes in the model, the step recomputes some rows alone and the rest together and compares the gradient
+    sum; layers that compute each row from itself pass."""
+    first, second = cl.LipschitzLinear(6, 8), cl.LipschitzLinear(8, 3)
+    if how == "a container":
+        model = _CustomSequential(first, cl.MaxMin(), second)
+    else:
+        model = nn.Sequential(first, _CustomLayer(how), cl.MaxMin(), second)
+    model, opt, loss, engine, _, loader = _setup_with_loader(model=model)
+    honest = how in ("per example", "a container")
+    for bx, by in loader:
+        if len(by) < 2:
+            continue
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        if honest:
+            steps = engine.accountant.steps
+            opt.step()
+            assert engine.accountant.steps == steps + 1
+            continue
+        message = _refused(opt, engine, "couple the examples of a batch")
+        assert "_CustomLayer" in message
+        break
 
 
 def test_row_digests_use_the_same_weights_on_every_device():

@@ -67,6 +67,8 @@ __all__ = ["InputGuard", "StepGuard", "tap_loss", "paused_guards", "largest_norm
 _LOGIT_GRAD_TOL = 1e-5
 # Relative rounding slack between autograd's sum of a weight's gradients through the forward and ours.
 _SUM_TOL = 1e-5
+# Relative float32 slack between a batch's gradient and the sum of its rows' gradients computed apart.
+_SPLIT_TOL = 1e-4
 # Relative float32 slack of a summed gradient's norm against the bound the certified per-example bounds give it.
 _SUM_CHECK_TOL = 1e-4
 # Saved-tensor hooks that give the backward the forward's exact values: torch's save_on_cpu (a copy to host
@@ -844,6 +846,9 @@ class StepGuard:
         self._expected: Dict[int, Tuple[int, torch.Tensor]] = {}  # id(weight) -> (backward, .grad it must give)
         self._by_id = {id(p): p for p in self._watched}
         self._modules = list(model.modules())
+        self._model = weakref.ref(model)
+        self._split_rows = torch.Generator()  # which rows the step recomputes apart (custom layers)
+        self._split_rows.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self._hooked_at_entry: Optional[str] = None
         self._changed_at_entry: Optional[str] = None
         self._entry_digests: Optional[torch.Tensor] = None
@@ -875,6 +880,9 @@ class StepGuard:
         self._weights: Dict[int, List[Optional[torch.Tensor]]] = {}  # backward -> their forwards' loss weights
         # backward -> (loss calls, output gradient) of its forwards where a custom loss was applied
         self._row_checks: Dict[int, List[Tuple[List[_LossCall], torch.Tensor]]] = {}
+        # backward -> (input as the forward read it, output gradient) of its forwards, where the model has custom
+        # modules
+        self._split_checks: Dict[int, List[Tuple[Optional[torch.Tensor], torch.Tensor]]] = {}
         self._violation: Optional[str] = None
 
     def remove(self) -> None:
@@ -1054,6 +1062,9 @@ class StepGuard:
             self._weights.setdefault(task, []).append(record.weights)
             if any(_custom_loss(call.loss) for call in record.calls):
                 self._row_checks.setdefault(task, []).append((record.calls, grad.detach().clone()))
+            if self.custom_modules():
+                entry = None if record.entry is None else record.entry[1]
+                self._split_checks.setdefault(task, []).append((entry, grad.detach().clone()))
             if record.digests is not None:
                 self._digests.setdefault(task, []).append(record.digests)
                 self._labels.setdefault(task, []).append(record.labels)
@@ -1148,11 +1159,62 @@ class StepGuard:
                 why = coupled_loss(calls, grad)
                 if why is not None:
                     raise BoundError(why + fix)
+        why = self._coupled_modules(params)
+        if why is not None:
+            raise BoundError(why + fix)
         for record in {id(r.snapshot): r for r in self._released.values()}.values():
             if self._weights_differ(record.snapshot):
                 raise BoundError("the weights changed between the forward and the step: the noise would be calibrated "
                                  "to the bounds of other weights than the backward used; change weights only through "
                                  "the private optimizer" + fix)
+
+    def custom_modules(self) -> List[str]:
+        """Classes of the model's modules defined outside clipless and torch, whose forwards no test of ours has
+        shown to compute each example from its own input alone."""
+        model = self._model()
+        if model is None:
+            return []
+        return sorted({type(m).__name__ for m in model.modules()
+                       if type(m).__module__.partition(".")[0] not in ("clipless", "torch")})
+
+    def _coupled_modules(self, params: Sequence[torch.Tensor]) -> Optional[str]:
+        """With custom modules: the released gradient must equal the sum of the gradients of the step's rows
+        computed apart (up to :data:`_SPLIT_TOL` relative): up to 8 rows drawn at random each alone, the rest
+        together.  A module that reads the batch (a mean, a normalization, a gate over it) gives each row alone
+        another output or gradient.  A test at the step's batch: it finds a coupling where it shows there."""
+        checks = [c for task in self._released for c in self._split_checks.get(task, [])]
+        model = self._model()
+        if not checks or model is None:
+            return None
+        names = ", ".join(self.custom_modules()) or "custom"
+        why = (f"the model's modules of classes defined outside clipless ({names}) couple the examples of a batch: "
+               "the batch's gradient is not the sum of its rows' gradients computed apart (a batch statistic: a "
+               "mean, a normalization or a gate over the batch; or randomness in the forward), so one added record "
+               "moves every example's gradient, beyond the certified bound; compute each example from its own "
+               "input alone")
+        params = [p for p in params if p.requires_grad]
+        expected = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        with paused_guards(model), torch.enable_grad():
+            for x, grad in checks:
+                if x is None:
+                    return why
+                n = x.shape[0]
+                order = torch.randperm(n, generator=self._split_rows).to(x.device)
+                parts = [order[i:i + 1] for i in range(min(8, n))] + ([order[8:]] if n > 8 else [])
+                for rows in parts:
+                    out = model(x[rows])
+                    if not isinstance(out, torch.Tensor) or out.shape != grad[rows].shape:
+                        return why
+                    got = torch.autograd.grad(out, list(params), grad[rows], allow_unused=True)
+                    for e, g in zip(expected, got):
+                        if g is not None:
+                            e += g.double()
+        for p, e in zip(params, expected):
+            released = torch.zeros_like(e) if p.grad is None else p.grad.detach().double()
+            scale = max(float(e.abs().max()), float(released.abs().max())) if e.numel() else 0.0
+            if e.numel() and float((released - e).abs().max()) > _SPLIT_TOL * scale:
+                return why
+        return None
 
     def check_sums(self, report: Any) -> None:
         """What the bounds imply for the sum: a layer's summed gradient has norm at most ``m g``, ``g`` its
