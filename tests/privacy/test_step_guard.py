@@ -261,17 +261,22 @@ def test_more_rows_than_the_drawn_batch_refused(slip):
     assert str(drawn) not in message and str(len(bx)) not in message  # a Poisson batch's size is secret
 
 
-def test_augmented_copies_with_their_multiplicity_and_sub_batches_are_accepted():
+def test_augmented_copies_with_their_multiplicity_are_accepted_and_a_part_of_the_batch_refused():
+    """Declared copies, K per drawn example, pass; copies of a part of the batch (its first rows: fewer rows than
+    drawn, none counting twice) passed too, but which rows enter is then the loop's choice."""
     model, opt, loss, engine, _, loader = _setup_with_loader(augmentation_multiplicity=2)
-    for rows in (None, 3):  # the whole batch, then its first 3 rows (fewer rows than drawn: none counts twice)
-        bx, by = next(iter(loader))
+    for rows in (None, 3):  # the whole batch, then its first 3 rows
+        bx, by = next(b for b in loader if len(b[1]) > 3)
         bx, by = bx[:rows], by[:rows]
         opt.zero_grad()
         opt.derived_rows_(torch.cat([bx, -bx]))  # the copies the loop made, one per example and copy
         per_row = loss.per_example(model(torch.cat([bx, -bx])), torch.cat([by, by]))
         per_row.view(2, -1).mean(0).sum().backward()
-        opt.step()
-    assert engine.accountant.steps == 2
+        if rows is None:
+            opt.step()
+        else:
+            _refused(opt, engine, "entered none of the step's forwards")
+    assert engine.accountant.steps == 1
 
 
 def _repeated(bx, by, slip):
@@ -705,6 +710,47 @@ def test_the_mean_moves_the_released_sum_by_at_most_the_bound_and_a_weighted_mea
     assert float((weighted - light).norm()) > 1.9 * float(light.norm())
 
 
+@pytest.mark.parametrize("how", ["hardest half by a first pass", "the last part skipped",
+                                 "rows of the batch's majority label", "a declared copy of half the rows",
+                                 "a zero weight column instead"])
+def test_rows_left_out_of_the_step_by_the_loop_are_refused(how):
+    """Hard example mining (a no-grad pass, then a forward of the rows with the largest losses) trained each chosen
+    row once at weight 1 and passed, but which rows enter the step depends on the others: one added record can push
+    another out, a change of up to twice the bound. Every drawn row must now enter a forward; filtering by a
+    record's own values belongs in the Dataset or in a weight column of 0."""
+    column = lambda d: torch.utils.data.TensorDataset(d.features, d.labels, torch.ones(96))  # noqa: E731
+    model, opt, loss, engine, _, loader = _setup_with_loader(data_wrapper=column)
+    for bx, by, bw in loader:
+        if len(by) >= 4 and len(set(by.tolist())) > 1:
+            break
+        opt.zero_grad()
+        loss.per_example(model(bx), by).sum().backward()
+        opt.step()
+    opt.zero_grad()
+    if how == "hardest half by a first pass":
+        with torch.no_grad():
+            scores = loss.per_example(model(bx), by)
+        rows = scores.argsort(descending=True)[: len(by) // 2]
+    elif how == "the last part skipped":
+        rows = torch.arange(len(by) - 1)
+    elif how == "rows of the batch's majority label":
+        rows = (by == by.mode().values).nonzero().flatten()
+    if how == "a zero weight column instead":
+        weights = bw.clone()
+        weights[len(by) // 2:] = 0.0  # not the records' own column: refused as loss weights set by the loop
+        (loss.per_example(model(bx), by) * weights).sum().backward()
+        _refused(opt, engine, "entered the backward with weights other than")
+        return
+    elif how == "a declared copy of half the rows":  # rows the loop makes are its word, one per example at least
+        rows = torch.arange(len(by) // 2)
+        opt.derived_rows_(bx[rows] * 0.5)
+        bx = bx.clone()
+        bx[rows] *= 0.5
+    loss.per_example(model(bx[rows]), by[rows]).sum().backward()
+    message = _refused(opt, engine, "entered none of the step's forwards")
+    assert "Dataset" in message
+
+
 class _ScaledLoss(cl.TauCrossEntropy):
     """A user's loss with an attribute the loop might set (from the batch, say)."""
     scale = 1.0
@@ -714,23 +760,26 @@ class _ScaledLoss(cl.TauCrossEntropy):
 
 
 @pytest.mark.parametrize("change", ["tau from the batch", "attribute set in the loop", "class attribute",
-                                    "another class", "an equal copy"])
+                                    "list edited in place", "another class", "an equal copy"])
 def test_a_loss_other_than_the_declared_one_or_changed_since_is_refused(change):
     """A loss with the declared constant but another temperature passed (``TauCrossEntropy``'s constant is sqrt(2)
     at every tau), and so did a loss whose attribute the loop set: a temperature or scale set from the batch makes
     every example's loss depend on the others.  Every loss applied must now equal the one given to make_private
     (class, constants, attributes); an equal copy passes."""
     declared = _ScaledLoss(2.0)
+    declared.factors = [1.0, 1.0]
     model, opt, loss, engine, _, loader = _setup_with_loader(loss=declared)
     bx, by = _honest_steps_until(opt, loss, model, loader, lambda bx, by: len(by) >= 2)
     opt.zero_grad()
     used = {"tau from the batch": lambda: _ScaledLoss(tau=0.5 + float((by == 1).float().mean())),
-            "another class": lambda: cl.TauCrossEntropy(2.0), "an equal copy": lambda: _ScaledLoss(2.0)}.get(
+            "another class": lambda: cl.TauCrossEntropy(2.0), "an equal copy": lambda: copy.deepcopy(declared)}.get(
         change, lambda: declared)()
     if change == "attribute set in the loop":
         declared.scale = 0.5
     elif change == "class attribute":
         _ScaledLoss.scale = 0.5
+    elif change == "list edited in place":
+        declared.factors[1] = 0.5
     try:
         used.per_example(model(bx), by).sum().backward()
     finally:
@@ -1302,10 +1351,13 @@ def test_backward_not_from_the_clipless_loss_refused(slip):
     _refused(opt, engine, "clipless loss")
 
 
-def test_loss_with_a_larger_constant_refused_and_a_smaller_one_accepted():
+def test_another_loss_refused_whatever_its_constant():
+    """A loss with a smaller constant passed: the loop could choose it from the batch (one loss when a target
+    record is in it, another otherwise), which makes each example's gradient depend on the others."""
     model, opt, loss, engine, x, y = _setup()  # bounds for TauCrossEntropy: L = sqrt(2)
     cl.MulticlassHinge(num_classes=3).per_example(model(x), y).sum().backward()  # L = sqrt(3/2)
-    opt.step()
+    _refused(opt, engine, "another loss than the one given to make_private")
+    opt.zero_grad()
 
     class Steep(cl.LipschitzLoss):
         lipschitz = 5.0
@@ -1314,7 +1366,7 @@ def test_loss_with_a_larger_constant_refused_and_a_smaller_one_accepted():
             return 5.0 * logits.gather(1, target[:, None]).squeeze(1)
 
     Steep().per_example(model(x), y).sum().backward()
-    _refused(opt, engine, "larger constant")
+    _refused(opt, engine, "another loss than the one given to make_private")
 
 
 def test_loss_declaring_a_wrong_constant_is_caught_at_the_output():

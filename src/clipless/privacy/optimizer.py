@@ -164,6 +164,13 @@ def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.T
     return changed
 
 
+ROWS_LEFT_OUT = ("a row of the batch drawn from the private loader entered none of the step's forwards: which rows "
+                 "are trained on was chosen in the loop (the hardest examples by a first pass, a filter on other "
+                 "rows, a part skipped), and one added record can push another out, up to twice the certified "
+                 "bound; backpropagate every drawn row (filter records by their own values in the Dataset, or give "
+                 "them a weight column of 0)")
+
+
 class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
     """A private optimizer step around ``optimizer`` for the model covered by ``bound_engine``.
 
@@ -478,6 +485,11 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "beyond the certified per-example bound; transform each record alone, in the Dataset's "
                              "__getitem__, or declare the rows your loop made each from one drawn record with "
                              "dp_optimizer.derived_rows_(x) before their forward")
+        if self._derived[0] == loader.batches_drawn:  # declared rows: at least one row per drawn example
+            if seen.numel() < drawn:
+                raise BoundError(ROWS_LEFT_OUT)
+        elif len(drawn_rows) == 1 and rows_beyond(drawn_rows[0].to(seen.device), seen, 1):
+            raise BoundError(ROWS_LEFT_OUT)
         self._check_labels(loader, k)
         if self._record_digests is None and drawn_rows:
             chunks = self._drawn_before
