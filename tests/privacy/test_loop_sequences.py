@@ -12,7 +12,8 @@ The oracle follows what each action did, with the noise made negligible:
 - an **accepted** step accounts exactly one step, follows exactly one new batch, and releases
   ``sum_i w_i g_i / b`` where ``g_i`` are autograd's per-example gradients of that batch's rows at the weights the
   last step released (``w_i`` the loss weight of row ``i``: one weight for every row of the step, ``1``, ``1/K`` or
-  ``1/n`` over its ``n`` rows; at most ``K`` rows for each example, every example in at least one) and nothing
+  ``1/n`` over its ``n`` rows; at most ``K`` rows for each example, every example in at least one, in ``K``
+  when ``K > 1``) and nothing
   else: no earlier batch, no weight edited by hand, no stale
   forward; the inner optimizer's step starts from the momentum the accepted steps left (or a resume loaded), none
   edited by hand; a resume goes on composing the saved steps;
@@ -452,8 +453,9 @@ class Loop(RuleBasedStateMachine):
         allowed = {f"accepted after {self.drawn_since_step} batches drawn": self.drawn_since_step == 1,
                    "accepted a step whose backwards were not honest": self.honest and self._at_released(),
                    "accepted rows of an earlier batch": all(b == latest for b, _, _ in self.rows),
-                   "accepted a step that left rows of its batch out": not self.batches or {
-                       i for _, i, _ in self.rows} >= set(range(len(self.batches[latest][1]))),
+                   "accepted a step that left rows of its batch out": not self.batches or ({
+                       i for _, i, _ in self.rows} >= set(range(len(self.batches[latest][1])))
+                       and (self.K == 1 or len(self.rows) >= self.K * len(self.batches[latest][1]))),
                    "accepted rows weighing more than the multiplicity allows": self._weights_allowed(),
                    "accepted a momentum edited by hand": not self.momentum_edited}
         accepted = self._try("step", self.opt.step)

@@ -164,11 +164,12 @@ def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.T
     return changed
 
 
-ROWS_LEFT_OUT = ("a row of the batch drawn from the private loader entered none of the step's forwards: which rows "
-                 "are trained on was chosen in the loop (the hardest examples by a first pass, a filter on other "
+ROWS_LEFT_OUT = ("rows of the batch drawn from the private loader were left out of the step's forwards (with "
+                 "augmentation multiplicity K: an example in fewer than K rows): which rows are trained on was "
+                 "chosen in the loop (the hardest examples by a first pass, a filter on other "
                  "rows, a part skipped), and one added record can push another out, up to twice the certified "
-                 "bound; backpropagate every drawn row (filter records by their own values in the Dataset, or give "
-                 "them a weight column of 0)")
+                 "bound; backpropagate every drawn row, with augmentation multiplicity K in K rows each (filter "
+                 "records by their own values in the Dataset, or give them a weight column of 0)")
 
 
 class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
@@ -485,10 +486,11 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "beyond the certified per-example bound; transform each record alone, in the Dataset's "
                              "__getitem__, or declare the rows your loop made each from one drawn record with "
                              "dp_optimizer.derived_rows_(x) before their forward")
-        if self._derived[0] == loader.batches_drawn:  # declared rows: at least one row per drawn example
-            if seen.numel() < drawn:
-                raise BoundError(ROWS_LEFT_OUT)
-        elif len(drawn_rows) == 1 and rows_beyond(drawn_rows[0].to(seen.device), seen, 1):
+        declared = self._derived[0] == loader.batches_drawn
+        # K rows for every drawn example: fewer, and the mean's 1/n would weigh a number of rows the loop chose
+        if (k > 1 or declared) and rows < k * drawn:
+            raise BoundError(ROWS_LEFT_OUT)
+        if not declared and len(drawn_rows) == 1 and rows_beyond(drawn_rows[0].to(seen.device), seen, 1):
             raise BoundError(ROWS_LEFT_OUT)
         self._check_labels(loader, k)
         if self._record_digests is None and drawn_rows:
