@@ -870,10 +870,11 @@ class _CustomSequential(nn.Sequential):
 @pytest.mark.parametrize("how", ["centered on the batch", "gated by the batch", "scaled by the batch's size",
                                  "per example", "a container"])
 def test_a_custom_layer_whose_examples_depend_on_each_other_is_refused(how):
-    """A layer class of the user's (a ``BoundedModule``) may read the whole batch (a batch mean subtracted, a gate or a scale set by a batch statistic): each example's gradient then
-    depends on the others, beyond the certified bound, while its declared constants hold row by row.  With such
-    classes in the model, the step recomputes some rows alone and the rest together and compares the gradient
-    sum; layers that compute each row from itself pass."""
+    """A layer class of the user's (a ``BoundedModule``) may read the whole batch (a batch mean subtracted, a gate
+    or a scale set by a batch statistic): each example's gradient then depends on the others, beyond the certified
+    bound, while its declared constants hold row by row.  With such classes in the model, the step recomputes some
+    rows alone and the rest together and compares the gradient sum; layers that compute each row from itself
+    pass."""
     first, second = cl.LipschitzLinear(6, 8), cl.LipschitzLinear(8, 3)
     if how == "a container":
         model = _CustomSequential(first, cl.MaxMin(), second)

@@ -505,7 +505,7 @@ class _ForwardRecord:
     """One gradient-recording forward of the private model, until its backward reaches the output."""
 
     __slots__ = ("guard", "epoch", "snapshot", "loss_grad", "losses", "backpropagated", "hooked", "changed", "digests",
-                 "labels", "weights", "task", "entry", "calls", "loss_changed")
+                 "labels", "task", "entry", "calls", "loss_changed")
 
     def __init__(self, guard: "StepGuard", epoch: int, snapshot: List[torch.Tensor], hooked: Optional[str],
                  digests: Optional[torch.Tensor], changed: Optional[str] = None,
@@ -516,11 +516,10 @@ class _ForwardRecord:
         self.changed = changed  # why the model at the forward differs from the bounds' (a constant, a buffer), or None
         self.digests = digests  # row_digests of the forward's input
         self.labels: Optional[torch.Tensor] = None  # row_digests of the targets its loss was given, row for row
-        self.weights: Optional[torch.Tensor] = None  # the weights its losses entered the backward with, row for row
         self.task: Optional[int] = None  # the backward that last went through the output
         self.loss_grad: Optional[torch.Tensor] = None
         self.losses: List[Any] = []  # the clipless losses applied to this output
-        self.calls: List[_LossCall] = []  # and what the step needs to compute their rows alone
+        self.calls: List[_LossCall] = []  # each with its weights and what the step needs to compute its rows alone
         self.loss_changed: Optional[str] = None  # why a loss applied is not the one the bounds were computed for
         self.backpropagated = False
 
@@ -601,9 +600,10 @@ LOSS_COUPLED = ("the per_example of the loss {name} couples the examples of a ba
                 "example's loss from its own output and target only")
 
 
-def _custom_loss(loss: Any) -> bool:
-    """A loss class defined outside clipless: its ``per_example`` is checked row by row at the step."""
-    return type(loss).__module__.partition(".")[0] != "clipless"
+def _defined_outside(obj: Any) -> bool:
+    """Whether ``obj``'s class is defined outside clipless and torch: a user's loss or layer, whose forward no
+    test of ours has shown to compute each example from its own values alone (the step recomputes it)."""
+    return type(obj).__module__.partition(".")[0] not in ("clipless", "torch")
 
 
 class _LossCall:
@@ -659,7 +659,7 @@ def coupled_loss(calls: Sequence[_LossCall], grad: torch.Tensor) -> Optional[str
     scale = torch.maximum(torch.linalg.vector_norm(got.flatten(1), dim=1),
                           torch.linalg.vector_norm(expected.flatten(1), dim=1))
     if bool((diff > _LOGIT_GRAD_TOL * scale).any()):
-        custom = next((c.loss for c in calls if _custom_loss(c.loss)), calls[0].loss)
+        custom = next((c.loss for c in calls if _defined_outside(c.loss)), calls[0].loss)
         return LOSS_COUPLED.format(name=type(custom).__name__)
     return None
 
@@ -971,9 +971,7 @@ class StepGuard:
         if call is not None:
             w = weights.detach().reshape(-1)
             call.weights = w.clone() if call.weights is None else call.weights + w
-        if weights.numel() == 0:  # an empty forward: no rows, no weights (None stays "never seen")
-            if record is not None and record.weights is None:
-                record.weights = weights.detach().reshape(-1).clone()
+        if weights.numel() == 0:
             return
         largest = float(weights.abs().max())  # never shown: a mean's weight 1/|B| is a Poisson batch's secret size
         k = self.rows_per_example
@@ -999,8 +997,6 @@ class StepGuard:
                 "budget; backpropagate loss.per_example(model(x), y).sum()", stacklevel=2)
         # after the checks of the largest weight, whose refusals name the weight; the step checks the rest
         w = weights.detach().reshape(-1)
-        if record is not None:  # the losses applied to one output add up, row for row
-            record.weights = w.clone() if record.weights is None else record.weights + w
         if not bool((w == w[0]).all()) and (k > 1 or record is None or record.digests is None):
             self._problem(LOSS_WEIGHTS)  # uneven weights pass only as each drawn record's own, which needs digests
 
@@ -1059,8 +1055,10 @@ class StepGuard:
             mass, nonzero, rows = self._mass.get(task, (0.0, 0, 0))
             self._mass[task] = (mass + float(norms.sum()) / lipschitz, nonzero + int((norms > 0).sum()),
                                 rows + int(norms.numel()))
-            self._weights.setdefault(task, []).append(record.weights)
-            if any(_custom_loss(call.loss) for call in record.calls):
+            # the losses applied to one output add up, row for row (None: no loss's weights were seen)
+            seen = [call.weights for call in record.calls if call.weights is not None]
+            self._weights.setdefault(task, []).append(sum(seen[1:], seen[0]) if seen else None)
+            if any(_defined_outside(call.loss) for call in record.calls):
                 self._row_checks.setdefault(task, []).append((record.calls, grad.detach().clone()))
             if self.custom_modules():
                 entry = None if record.entry is None else record.entry[1]
@@ -1174,8 +1172,7 @@ class StepGuard:
         model = self._model()
         if model is None:
             return []
-        return sorted({type(m).__name__ for m in model.modules()
-                       if type(m).__module__.partition(".")[0] not in ("clipless", "torch")})
+        return sorted({type(m).__name__ for m in model.modules() if _defined_outside(m)})
 
     def _coupled_modules(self, params: Sequence[torch.Tensor]) -> Optional[str]:
         """With custom modules: the released gradient must equal the sum of the gradients of the step's rows

@@ -28,8 +28,8 @@ from .bounds import BoundEngine, BoundReport
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import (LOSS_WEIGHTS, allowed_uniform_weight, InputGuard, StepGuard, row_digests, rows_beyond, rows_not_drawn,
-                          rows_repeated, undrawn_records, unwatched)
+from .input_guard import (LOSS_WEIGHTS, InputGuard, StepGuard, allowed_uniform_weight, row_digests, rows_beyond,
+                          rows_not_drawn, rows_repeated, undrawn_records, unwatched)
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
 from .randomness import check_generator, resume_generator, saved_generator_state, secret_generator
@@ -166,10 +166,10 @@ def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.T
 
 ROWS_LEFT_OUT = ("rows of the batch drawn from the private loader were left out of the step's forwards (with "
                  "augmentation multiplicity K: an example in fewer than K rows): which rows are trained on was "
-                 "chosen in the loop (the hardest examples by a first pass, a filter on other "
-                 "rows, a part skipped), and one added record can push another out, up to twice the certified "
-                 "bound; backpropagate every drawn row, with augmentation multiplicity K in K rows each (filter "
-                 "records by their own values in the Dataset, or give them a weight column of 0)")
+                 "chosen in the loop (the hardest examples by a first pass, a filter on other rows, a part "
+                 "skipped), and one added record can push another out, up to twice the certified bound; "
+                 "backpropagate every drawn row, with augmentation multiplicity K in K rows each (filter records by "
+                 "their own values in the Dataset, or give them a weight column of 0)")
 
 
 class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
