@@ -486,11 +486,10 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "beyond the certified per-example bound; transform each record alone, in the Dataset's "
                              "__getitem__, or declare the rows your loop made each from one drawn record with "
                              "dp_optimizer.derived_rows_(x) before their forward")
-        declared = self._derived[0] == loader.batches_drawn
-        # K rows for every drawn example: fewer, and the mean's 1/n would weigh a number of rows the loop chose
-        if (k > 1 or declared) and rows < k * drawn:
-            raise BoundError(ROWS_LEFT_OUT)
-        if not declared and len(drawn_rows) == 1 and rows_beyond(drawn_rows[0].to(seen.device), seen, 1):
+        # K rows for every drawn example.  The rows are drawn (or declared) ones, none more than K times (above), so
+        # K times the batch's count means every drawn row in K of them; fewer means rows the loop chose to leave out
+        # (and the mean's 1/n would weigh a number of rows it chose)
+        if rows < k * drawn:
             raise BoundError(ROWS_LEFT_OUT)
         self._check_labels(loader, k)
         if self._record_digests is None and drawn_rows:
