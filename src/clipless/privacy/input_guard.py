@@ -968,8 +968,8 @@ class StepGuard:
 
     def _loss_weights(self, weights: torch.Tensor, record: Optional[_ForwardRecord] = None,
                       call: Optional[_LossCall] = None) -> None:
+        w = weights.detach().reshape(-1)
         if call is not None:
-            w = weights.detach().reshape(-1)
             call.weights = w.clone() if call.weights is None else call.weights + w
         if weights.numel() == 0:
             return
@@ -992,11 +992,10 @@ class StepGuard:
         elif largest < 1 - 1e-6 and not self._warned_scale:
             self._warned_scale = True
             warnings.warn(
-                "the per-example losses enter the backward with weights below 1 (a mean or a "
-                "scaled loss): the noise is calibrated to the SUM of per-example gradients, so this wastes privacy "
+                "the per-example losses enter the backward with weights below 1 (the mean): the "
+                "noise is calibrated to the SUM of per-example gradients, so this wastes privacy "
                 "budget; backpropagate loss.per_example(model(x), y).sum()", stacklevel=2)
         # after the checks of the largest weight, whose refusals name the weight; the step checks the rest
-        w = weights.detach().reshape(-1)
         if not bool((w == w[0]).all()) and (k > 1 or record is None or record.digests is None):
             self._problem(LOSS_WEIGHTS)  # uneven weights pass only as each drawn record's own, which needs digests
 
