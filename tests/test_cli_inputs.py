@@ -333,7 +333,7 @@ def test_train_writes_a_training_curve_of_private_quantities_only(tmp_path, monk
                        ("epsilon", [row["epsilon"] for row in history])]
 
 
-def test_interrupted_result_write_keeps_the_previous_result(tmp_path, monkeypatch):
+def test_interrupted_result_write_keeps_the_previous_result(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     _train(out, "--noise-seed", "1")
     before = (out / "result.json").read_bytes()
@@ -346,14 +346,30 @@ def test_interrupted_result_write_keeps_the_previous_result(tmp_path, monkeypatc
 
     monkeypatch.setattr(json, "dump", killed)
     monkeypatch.setattr(json, "dumps", lambda *a, **k: killed(None))
-    with pytest.raises(KeyboardInterrupt):
-        main(["train", *FAST, "--output-dir", str(out), "--noise-seed", "2"])
+    capsys.readouterr()
+    # Ctrl-C: the shell's code for SIGINT and one line naming the checkpoint to resume, not a traceback
+    assert main(["train", *FAST, "--output-dir", str(out), "--noise-seed", "2"]) == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("clipless train: interrupted") and f"({out / 'checkpoint.pt'})" in said, said
+    assert "--resume" in said
     (kept,) = [p for p in out.iterdir() if p.is_dir()]  # the first run's files, moved aside before the second
     assert (kept / "result.json").read_bytes() == before
     # the second run's checkpoint was written, its result never was, and no temporary is left anywhere
     assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["checkpoint.pt", "checkpoint.pt.key"]
     assert sorted(p.name for p in kept.iterdir()) == ["checkpoint.pt", "checkpoint.pt.key", "result.json",
                                                       "training.png"]
+
+
+def test_an_interruption_before_any_checkpoint_names_none(tmp_path, monkeypatch, capsys):
+    from clipless.train import trainer
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer.PrivateTrainer, "fit", interrupted)
+    assert main(["train", *FAST, "--output-dir", str(tmp_path / "run")]) == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("clipless train: interrupted") and "checkpoint" not in said, said
 
 
 def test_full_disk_during_checkpoint_write_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):

@@ -1105,6 +1105,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, OSError, BudgetExhaustedError) as err:
         # the library's refusals (bad data, settings, files): one line naming the problem and the fix
         raise SystemExit(f"clipless {args.command}: {' '.join(str(err).split())}") from None
+    except KeyboardInterrupt:
+        # Ctrl-C: every file is written atomically, so what is on disk is a whole earlier state, never a part
+        print(f"clipless {args.command}: {_interrupted(args)}", file=sys.stderr)
+        return 130  # the shell's code for a process stopped by SIGINT
     except RuntimeError as err:  # torch's CPU allocator: a model or batch too large for this machine's memory
         if "can't allocate memory" not in str(err):
             raise
@@ -1121,6 +1125,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             # abort the process at exit (SIGABRT): collect it first
             gc.collect()
             torch.distributed.destroy_process_group()
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What an interrupted command left: files are replaced whole (written beside, then renamed), so the last
+    checkpoint written, if any, is intact and a resume continues from it, its steps already composed."""
+    settings = getattr(args, "resolved", None) or vars(args)  # train's settings once its config is read
+    ckpt = Path(settings.get("output_dir") or DEFAULTS["output_dir"]) / "checkpoint.pt"
+    if args.command in ("train", "pretrain") and settings.get("method") in ("clipless", "logit_dp") and ckpt.is_file():
+        return (f"interrupted; the files already written are whole, and the last checkpoint ({ckpt}) continues the "
+                "run with the same command and --resume")
+    return "interrupted; the files already written are whole (each is replaced at once, never in part)"
 
 
 def run_epsilon(args: argparse.Namespace) -> Dict[str, Any]:
@@ -1168,7 +1183,7 @@ def _timing(result: Dict[str, Any]) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
-        config = resolve_config(args)
+        config = args.resolved = resolve_config(args)  # kept: an interruption names the run's checkpoint
         result = run_train(config)
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return 0  # rank 0 reports for the run
