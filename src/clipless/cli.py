@@ -1132,7 +1132,8 @@ def _interrupted(args: argparse.Namespace) -> str:
     checkpoint written, if any, is intact and a resume continues from it, its steps already composed."""
     settings = getattr(args, "resolved", None) or vars(args)  # train's settings once its config is read
     ckpt = Path(settings.get("output_dir") or DEFAULTS["output_dir"]) / "checkpoint.pt"
-    if args.command in ("train", "pretrain") and settings.get("method") in ("clipless", "logit_dp") and ckpt.is_file():
+    resumes = args.command == "pretrain" or (args.command == "train" and settings.get("method") == "clipless")
+    if resumes and ckpt.is_file():  # every pre-training method checkpoints; of train's, clipless runs only
         return (f"interrupted; the files already written are whole, and the last checkpoint ({ckpt}) continues the "
                 "run with the same command and --resume")
     return "interrupted; the files already written are whole (each is replaced at once, never in part)"
