@@ -48,6 +48,7 @@ from .nn import (
     lipschitz_mlp,
     lipschitz_resnet,
     lipschitz_vgg,
+    to_lipschitz,
 )
 from .privacy import (
     BoundedModule,
@@ -136,6 +137,7 @@ __all__ = [
     "physical_batches",
     "poisson_data_loader",
     "privacy",
+    "to_lipschitz",
     "train",
 ]
 

@@ -2,6 +2,7 @@
 
 from .clipping import AdaptiveLossGradientClip, LossGradientClip
 from .conv import LipschitzConv2d, OrthogonalConv2d
+from .convert import to_lipschitz
 from .export import export
 from .layers import (
     GroupSort,
@@ -39,6 +40,6 @@ __all__ = [
     "InputNormClip", "KCosineSimilarity", "L2NormPool2d", "LayerCentering", "LipschitzConv2d", "LipschitzLinear",
     "LossGradientClip", "MaxMin", "MulticlassHKR", "MulticlassHinge", "MulticlassKR", "OrthogonalConv2d",
     "Permute", "ScaledAvgPool2d", "TauCrossEntropy", "build_loss", "build_lr_schedule", "build_model",
-    "build_optimizer", "export",
+    "build_optimizer", "export", "to_lipschitz",
     "lipschitz_cnn", "lipschitz_mixer", "lipschitz_mlp", "lipschitz_resnet", "lipschitz_vgg",
 ]
