@@ -112,3 +112,16 @@ def test_a_converted_model_trains_privately():
         if i == 1:
             break
     assert engine.accountant.steps == 2 and 0 < engine.get_epsilon(1e-5) < float("inf")
+
+
+def test_export_takes_a_converted_model_back_to_standard_layers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.GELU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(8 * 2 * 2, CLASSES))
+    converted = cl.to_lipschitz(model)
+    exported = cl.export(converted, (1, 8, 8))
+    assert [type(m).__name__ for m in exported] == ["Conv2d", "GELU", "LPPool2d", "Conv2d", "ReLU", "AvgPool2d",
+                                                    "Flatten", "Linear"]
+    x = torch.rand(6, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(exported(x), converted(x), atol=1e-4)

@@ -647,6 +647,43 @@ def test_training_data_that_holds_a_record_more_than_once_is_refused(data, how) 
                               epochs=1, delta=1e-3, noise_multiplier=1.0, progress=False, log=None)
 
 
+class _Records(torch.utils.data.Dataset):
+    """A dataset of one's own (read record by record): ``entry(i)`` is its ``i``-th ``(input, label)``."""
+
+    def __init__(self, size, entry):
+        self.size, self.entry = size, entry
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return self.entry(i)
+
+
+def test_a_dataset_of_ones_own_that_hands_out_one_record_for_two_indices_is_refused(data) -> None:
+    """Oversampling inside a Dataset of one's own passed where a Subset with repeated indices was refused: a list
+    holding one record's tensor twice, or an index list naming one row of a tensor twice.  The same tensor (or the
+    same view of it, while it lives) for two indices is one record held twice; records copied afresh at each read
+    cannot be told from records equal in value and are accepted, as such records are."""
+    x, y = data.features, data.labels
+    listed = [(x[i].clone(), int(y[i])) for i in range(64)]
+    listed += [listed[5]] * 2  # record 5 three times, the same tensor object
+    rows = [*range(64), 9]  # row 9 of x twice, as two views of it
+    for dataset, first, second in ((_Records(66, listed.__getitem__), 5, 64),
+                                   (_Records(65, lambda i: (x[rows[i]], int(y[rows[i]]))), 9, 64)):
+        for make in (lambda d: trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0), d),
+                     lambda d: trainer_for(cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0),
+                                           _ONCE.Subset(d, list(range(len(d)))))):
+            with pytest.raises(ValueError, match=f"holds one record twice, at indices {first} and {second}"):
+                make(dataset)
+    fresh = [_Records(65, lambda i: (x[rows[i]].clone(), int(y[rows[i]]))),  # copies: equal values, stored apart
+             _Records(64, lambda i: (x[i], int(y[i]))),  # honest views of one tensor
+             _Records(64, lambda i: (torch.from_numpy(x[i].numpy().copy()), int(y[i])))]
+    for dataset in fresh:
+        model = cl.lipschitz_mlp(SHAPE, 3, hidden=(8,), input_clip=1.0)
+        assert trainer_for(model, dataset).fit().steps > 0
+
+
 def test_training_data_of_disjoint_parts_or_equal_values_stored_apart_is_accepted(data) -> None:
     """Disjoint Subsets of one dataset, and records equal in value but stored apart (two datasets), are distinct."""
     for parts in (_ONCE.ConcatDataset([_ONCE.Subset(data, range(0, 32)), _ONCE.Subset(data, range(32, 64))]),

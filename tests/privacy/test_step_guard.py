@@ -629,8 +629,8 @@ def test_labels_as_drawn_in_another_integer_type_or_with_their_rows_permuted_are
 def test_loss_weights_that_depend_on_other_examples_refused(how):
     """Which example gets which weight may not depend on the others: under max(), a sum without the largest losses,
     softmax weights or a selection by position, one added record moves the weight (or the selection) onto another
-    example, a change of up to twice the certified bound. Such weights differ between examples of one label;
-    weights by label alone (class weights) and the sum or mean pass."""
+    example, a change of up to twice the certified bound. Such weights differ between examples of one label (weights
+    even within labels are refused too: next test)."""
     model, opt, loss, engine, _, loader = _setup_with_loader()
     def shared_labels(bx, by):  # every label at least twice, and one in both halves: the refusal is certain
         labels = by.tolist()

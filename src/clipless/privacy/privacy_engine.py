@@ -86,7 +86,8 @@ def check_model_takes(model: nn.Module, dtype: torch.dtype, input_shape: Tuple[i
 def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLoss, input_shape: Tuple[int, ...],
                           output_shape: Tuple[int, ...], data_bound: Optional[float] = None, read: bool = True,
                           indices: Optional[Sequence[int]] = None, progress: bool = False,
-                          model: Optional[nn.Module] = None, digests: Optional[List[torch.Tensor]] = None) -> None:
+                          model: Optional[nn.Module] = None, digests: Optional[List[torch.Tensor]] = None,
+                          each_once: bool = False) -> None:
     """Every record of ``data`` (of ``indices`` if given), checked as the private step checks a batch, before any
     step: its per-example shape, its dtype (float32 or float64, and one ``model``'s forward takes:
     :func:`check_model_takes`), finite values, the data bound (training data) and
@@ -96,11 +97,12 @@ def check_dataset_records(data: Optional[Dataset], what: str, loss: LipschitzLos
     (:func:`~clipless.privacy.sampling.record_chunks`; ``progress``: with a bar), unless ``read=False``.  A dataset
     whose records change from one read to the next (random transforms in ``__getitem__``) is checked on the draws
     read here; the step checks its later draws.  ``digests``, a list, receives the row digests of the records
-    checked (:func:`~clipless.privacy.input_guard.row_digests`)."""
+    checked (:func:`~clipless.privacy.input_guard.row_digests`).  ``each_once`` (training data): a dataset read
+    record by record may not hand out one record's input for two indices (``record_chunks``)."""
     if data is None or (not read and in_memory_records(data) is None):
         return
     taken = set()
-    for inputs, labels in record_chunks(data, indices, progress=progress):
+    for inputs, labels in record_chunks(data, indices, progress=progress, each_once=what if each_once else None):
         if tuple(inputs.shape[1:]) != tuple(input_shape):
             raise ValueError(f"{what}: records of per-example shape {tuple(inputs.shape[1:])}, the model's "
                              f"input_shape is {tuple(input_shape)}")
@@ -285,7 +287,7 @@ class PrivacyEngine(DeclaredConstants):
             same_outcome_on_all_ranks(lambda: check_dataset_records(
                 dataset, "the training data", loss, engine.input_shape, engine.output_shape, data_bound,
                 read=check_records, indices=range(rank, n, world_size), progress=progress, model=probe,
-                digests=digests),
+                digests=digests, each_once=True),
                 device=next((p.device for p in module.parameters()), torch.device("cpu")),  # NCCL: CUDA tensors only
                 refused="refused a record of their shard of the training data (their error says which check): no "
                         "rank goes on; clean the data")
@@ -293,7 +295,8 @@ class PrivacyEngine(DeclaredConstants):
                 digests = all_gather_objects(torch.cat(digests).cpu() if digests else torch.zeros(0, dtype=torch.int64))
         else:
             check_dataset_records(dataset, "the training data", loss, engine.input_shape, engine.output_shape,
-                                  data_bound, read=check_records, progress=progress, model=probe, digests=digests)
+                                  data_bound, read=check_records, progress=progress, model=probe, digests=digests,
+                                  each_once=True)
         steps_per_epoch = poisson_steps_per_epoch(sample_rate)
         plan = plan_noise(
             engine.compute(),

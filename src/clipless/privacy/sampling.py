@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from fractions import Fraction
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -80,17 +81,52 @@ def repeated_record(data: Any) -> Optional[Tuple[int, Any, int]]:
     return None
 
 
+def _held_twice(what: str, record: str, times: str, how: str) -> ValueError:
+    """The refusal of training data that holds one record more than once, ``how`` (one wording for every way)."""
+    return ValueError(f"{what} holds {record} {times} ({how}): Poisson sampling draws each copy on its own, so that "
+                      "record's privacy is that of several records, outside the reported epsilon; give each record "
+                      "once (to weigh a class up, weigh the others' losses down with a weight in [0, 1] in each "
+                      "record, (x, y, w) records: class weights the loop sets are refused by the private step)")
+
+
 def check_each_record_once(data: Any, what: str = "the training data") -> None:
     """Refuse training data that holds a record more than once (:func:`repeated_record`): the accountant counts
     one Poisson draw per record and step, and each copy is one more."""
     repeated = repeated_record(data)
     if repeated is not None:
         index, base, times = repeated
-        raise ValueError(f"{what} holds record {index} of its {type(base).__name__} {times} times (a Subset with "
-                         "repeated indices, or a ConcatDataset that holds a dataset or its records twice): Poisson "
-                         f"sampling draws each copy on its own, so that record's privacy is that of {times} records, "
-                         "outside the reported epsilon; give each record once (to weigh a class up, weigh the others' "
-                         "losses down: weights by label pass the private step)")
+        raise _held_twice(what, f"record {index} of its {type(base).__name__}", f"{times} times",
+                          "a Subset with repeated indices, or a ConcatDataset that holds a dataset or its records twice")
+
+
+class _EachRecordOnce(Dataset):
+    """``data`` as read in order, refusing an input that the dataset hands out for two indices: the same tensor
+    object (a list holding one record's tensor twice), or the same view of one tensor (an index list naming a row
+    twice), while that tensor is alive.  The tensor is held by a weak reference, so a tensor made afresh at each read
+    and freed since (whose memory a later record may reuse) never matches; records equal in value but stored apart
+    stay distinct records, as for :func:`repeated_record`."""
+
+    def __init__(self, data: Any, what: str) -> None:
+        self.data, self.what = data, what
+        self.seen: Dict[Tuple[int, ...], Tuple[int, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        item = self.data[index]
+        x = item[0] if isinstance(item, (tuple, list)) and item else item
+        if isinstance(x, torch.Tensor):
+            anchor = x if x._base is None else x._base  # a view: the tensor it views, and where
+            key = (id(anchor), x.storage_offset(), *x.shape, *x.stride())
+            earlier = self.seen.get(key)
+            if earlier is not None and earlier[1]() is anchor:
+                raise _held_twice(self.what, "one record", f"twice, at indices {earlier[0]} and {index}",
+                                  "a Dataset whose __getitem__ returns the same tensor, or the same row of one, for "
+                                  "both: oversampling by repeated entries")
+            self.seen[key] = (index, weakref.ref(anchor))
+        return item
+
 
 
 def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -112,11 +148,13 @@ def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
 
 
 def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None, chunk: int = 1 << 12,
-                  progress: bool = False) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+                  progress: bool = False, each_once: Optional[str] = None) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
     """Every record of ``data`` (those of ``indices`` if given) as ``(inputs, labels)`` chunks, as the Poisson
     loader yields them: an in-memory dataset's tensors (:func:`in_memory_records`), another dataset read once in
     order through the loader's collate (``progress``: with a bar of the records read).  Stops at a chunk that is not
-    an ``(inputs, labels)`` pair of tensors (records of another structure are checked when a batch holds them)."""
+    an ``(inputs, labels)`` pair of tensors (records of another structure are checked when a batch holds them).
+    ``each_once`` (the data's name): a dataset read record by record may not hand out one input for two indices
+    (:class:`_EachRecordOnce`)."""
     records = in_memory_records(data)
     if records is not None:
         inputs, labels = (torch.as_tensor(t) for t in records)  # a dataset of one's own may hand over arrays
@@ -129,6 +167,8 @@ def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None, chunk:
     if not order:
         return
     view = _GatherView(data) if hasattr(data, "gather") else data
+    if each_once is not None and view is data:
+        view = _EachRecordOnce(data, each_once)
     loader = DataLoader(view, batch_sampler=[order[i:i + chunk] for i in range(0, len(order), chunk)],
                         collate_fn=BatchCollator(data))
     bar = None
