@@ -143,7 +143,7 @@ def _check_pair_dataset(pairs: Optional[Dataset], what: str, encoder: Optional[n
 
 
 def _check_pair_records(pairs: Dataset, encoder: nn.Module, what: str = "the training pairs",
-                        read_first: bool = False) -> None:
+                        read_first: bool = False, each_once: bool = False) -> None:
     """Every pair a private step could draw, checked before any step as the step checks its batch (finite views, one
     shape for every view, a dtype the encoder takes): a bad pair would otherwise stop the run at the step whose
     secret Poisson batch first holds it.  A dataset that declares the tensors it draws its views from
@@ -152,7 +152,8 @@ def _check_pair_records(pairs: Dataset, encoder: nn.Module, what: str = "the tra
     (``what="eval_pairs"``) alike: a bad one would stop the run at the first held-out loss, after an epoch of
     private steps, or make that loss NaN.  ``read_first``: the kind of the records is checked from the first one
     even when the dataset holds tensors (a labelled dataset does too); not for the training pairs, whose read
-    would draw augmentations."""
+    would draw augmentations.  ``each_once`` (training pairs): no pair handed out for two indices
+    (``record_chunks``)."""
     own = getattr(pairs, "record_tensors", None)
     if read_first or not callable(own):
         _check_pair_dataset(pairs, what, None if callable(own) else encoder)  # held tensors: probed below
@@ -163,7 +164,7 @@ def _check_pair_records(pairs: Dataset, encoder: nn.Module, what: str = "the tra
         return
     shape = None
     try:
-        for xa, xb in record_chunks(pairs):
+        for xa, xb in record_chunks(pairs, each_once=what if each_once else None):
             if xa.shape[1:] != xb.shape[1:] or shape not in (None, xa.shape[1:]):
                 raise ValueError(f"{what} hold views of different per-example shapes "
                                  f"({tuple(xa.shape[1:])}, {tuple(xb.shape[1:])}"
@@ -281,7 +282,7 @@ class ContrastivePretrainer(DeclaredConstants):
         if method != "nonprivate":
             check_fresh_optimizer(optimizer, "the pre-trainer", "load_checkpoint")
             _check_no_running_statistics(encoder)
-            _check_pair_records(pairs, encoder)
+            _check_pair_records(pairs, encoder, each_once=True)  # one pair, one record: never two indices
             if delta is None:
                 raise ValueError("a private method needs delta")
             check_delta(delta, n)

@@ -95,8 +95,8 @@ def check_each_record_once(data: Any, what: str = "the training data") -> None:
     repeated = repeated_record(data)
     if repeated is not None:
         index, base, times = repeated
-        raise _held_twice(what, f"record {index} of its {type(base).__name__}", f"{times} times",
-                          "a Subset with repeated indices, or a ConcatDataset that holds a dataset or its records twice")
+        raise _held_twice(what, f"record {index} of its {type(base).__name__}", f"{times} times", "a Subset with "
+                          "repeated indices, or a ConcatDataset that holds a dataset or its records twice")
 
 
 class _EachRecordOnce(Dataset):
@@ -147,8 +147,8 @@ def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     return None
 
 
-def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None, chunk: int = 1 << 12,
-                  progress: bool = False, each_once: Optional[str] = None) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None, chunk: int = 1 << 12, progress: bool = False,
+                  each_once: Optional[str] = None) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
     """Every record of ``data`` (those of ``indices`` if given) as ``(inputs, labels)`` chunks, as the Poisson
     loader yields them: an in-memory dataset's tensors (:func:`in_memory_records`), another dataset read once in
     order through the loader's collate (``progress``: with a bar of the records read).  Stops at a chunk that is not
