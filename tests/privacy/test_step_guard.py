@@ -1929,12 +1929,17 @@ def test_trainer_with_tightness_monitor_and_averaging_runs_guarded():
 
 
 class _BatchSum(cl.privacy.BoundedModule):
-    """A 1-Lipschitz identity that keeps the sum of every training batch in a buffer (no noise)."""
+    """A 1-Lipschitz identity that keeps the sum of every training batch in a buffer (no noise); or in a frozen
+    parameter, a plain attribute, or a plain dict attribute (``kept``)."""
 
-    def __init__(self, width: int, frozen_parameter: bool = False) -> None:
+    def __init__(self, width: int, kept: str = "buffer") -> None:
         super().__init__()
-        if frozen_parameter:  # the same state kept as a parameter the optimizer does not step
+        if kept == "frozen_parameter":  # the same state kept as a parameter the optimizer does not step
             self.total = nn.Parameter(torch.zeros(width), requires_grad=False)
+        elif kept == "plain":  # not registered: state_dict leaves it out, a pickle and every later forward do not
+            self.total = torch.zeros(width)
+        elif kept == "plain_in_dict":
+            self.sums = {"total": torch.zeros(width)}
         else:
             self.register_buffer("total", torch.zeros(width))
 
@@ -1944,39 +1949,43 @@ class _BatchSum(cl.privacy.BoundedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             with torch.no_grad():
-                self.total.add_(x.sum(0))
+                (self.sums["total"] if hasattr(self, "sums") else self.total).add_(x.sum(0))
         return x
 
 
-@pytest.mark.parametrize("frozen_parameter", [False, True])
-def test_a_buffer_changed_by_the_forward_is_refused_and_put_back(frozen_parameter):
+@pytest.mark.parametrize("kept", ["buffer", "frozen_parameter", "plain", "plain_in_dict"])
+def test_a_buffer_changed_by_the_forward_is_refused_and_put_back(kept):
     """A layer's buffer (or frozen parameter) updated by the forward, as a running statistic, held an un-noised sum
     of the batch, released with the model's state_dict, and the step went through.  Now the step is refused and
-    the state restored; state set by hand between steps is refused the same way."""
-    model = nn.Sequential(_BatchSum(6, frozen_parameter), cl.LipschitzLinear(6, 8), cl.MaxMin(),
-                          cl.LipschitzLinear(8, 3))
+    the state restored; state set by hand between steps is refused the same way.  So is such state kept in a plain
+    attribute (a tensor, or one in a dict), which passed after the buffers' fix: state_dict leaves it out, but every
+    later forward reads it and a pickle of the model releases it."""
+    model = nn.Sequential(_BatchSum(6, kept), cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    name = "0.sums[total]" if kept == "plain_in_dict" else "0.total"
     model, opt, loss, engine, x, y = _setup(model=model)
     loss.per_example(model(x), y).sum().backward()
     trained = [p.detach().clone() for p in model.parameters() if p.requires_grad]
 
     def refused():  # as _refused, but the changed state itself is put back, so it differs from before the step
         # changed by the forward: seen at the step; by hand before the forward: seen at the forward already
-        with pytest.raises(BoundError, match=r"buffers or frozen parameters (of the private model changed|\(0.total\) "
-                                             r"were not as the last private step released)") as info:
+        with pytest.raises(BoundError, match=r"(buffers or frozen parameters (of the private model changed|\(0.total\) "
+                                             r"were not as the last private step released)|keep as plain attributes)"
+                           ) as info:
             opt.step()
-        assert engine.accountant.steps == steps and torch.equal(model[0].total, torch.zeros(6))
+        total = model[0].sums["total"] if kept == "plain_in_dict" else model[0].total
+        assert engine.accountant.steps == steps and torch.equal(total, torch.zeros(6))
         assert all(torch.equal(a, p) for a, p in zip(trained, (p for p in model.parameters() if p.requires_grad)))
         return str(info.value)
 
     steps = engine.accountant.steps
-    assert "0.total" in refused()
+    assert name in refused()
     opt.zero_grad()  # the refusal (seen at the backward) says to run the batch again
     model[0].eval()  # the buffer stays as released: the step goes through
     loss.per_example(model(x), y).sum().backward()
     opt.step()
     assert engine.accountant.steps == 1
     opt.zero_grad()
-    model[0].total.fill_(1.0)
+    (model[0].sums["total"] if kept == "plain_in_dict" else model[0].total).fill_(1.0)
     loss.per_example(model(x), y).sum().backward()
     steps, trained = engine.accountant.steps, [p.detach().clone() for p in model.parameters() if p.requires_grad]
     refused()

@@ -24,8 +24,8 @@ from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_acco
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
 from ..privacy.certified import check_flag, whole_number
 from ..privacy.noise import add_gaussian_noise_, check_secure_flag
-from ..privacy.optimizer import (changed_state, check_fresh_optimizer, put_back_changes_, put_back_optimizer_state_,
-                                 restore_state_, snapshot_optimizer_state, snapshot_state)
+from ..privacy.optimizer import (changed_state, check_fresh_optimizer, model_state, put_back_changes_,
+                                 put_back_optimizer_state_, restore_state_, snapshot_optimizer_state, snapshot_state)
 from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
 from ..privacy.randomness import make_generator, randomness_label, resume_generator, saved_generator_state
@@ -179,7 +179,7 @@ def _check_pair_records(pairs: Dataset, encoder: nn.Module, what: str = "the tra
 def _check_state_unchanged(encoder: nn.Module, before: Dict[str, torch.Tensor]) -> None:
     """The gradient pass of a private step may change nothing of the encoder: a parameter or buffer changed by a
     forward (a running average, a weight normalised in place) holds a function of the batch without noise."""
-    changed = changed_state(encoder.state_dict(), before)
+    changed = changed_state(model_state(encoder), before)
     if changed:
         raise ValueError(f"the encoder's forward or backward changed {', '.join(changed[:4])}: a function of the "
                          "private batch, kept without noise and released with the encoder; the private step refused "
@@ -311,7 +311,7 @@ class ContrastivePretrainer(DeclaredConstants):
         self._frozen = self._settings()
         # the encoder and the optimizer's state as given, then as each private step released them: nothing else
         # may change them
-        self._released = None if self.accountant is None else snapshot_state(encoder.state_dict())
+        self._released = None if self.accountant is None else snapshot_state(model_state(encoder))
         self._released_optimizer = self._snapshot_optimizer()
         self._check_optimizer()
 
@@ -348,13 +348,13 @@ class ContrastivePretrainer(DeclaredConstants):
         change of the optimizer's state (an outside step's moments would move every later released step)."""
         saved = self._released_optimizer
         if saved is not None and put_back_optimizer_state_(self.optimizer, saved):
-            put_back_changes_(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
+            put_back_changes_(model_state(self.encoder), self._released)  # type: ignore[arg-type]
             raise ValueError("the optimizer's state changed outside the private pre-training since its last release "
                              "(a step of the pre-trainer's optimizer outside fit(), or its load_state_dict): its "
                              "moments would carry a gradient without noise into every later released step; the "
                              "optimizer's state and the encoder were put back. Step the optimizer only through fit() "
                              "(a resume: load_checkpoint)")
-        changed = put_back_changes_(self.encoder.state_dict(), self._released)  # type: ignore[arg-type]
+        changed = put_back_changes_(model_state(self.encoder), self._released)  # type: ignore[arg-type]
         if changed:
             raise ValueError(f"the encoder changed outside the private pre-training since its last release "
                              f"({', '.join(changed[:4])}): an update without noise would be released with it; it "
@@ -398,7 +398,7 @@ class ContrastivePretrainer(DeclaredConstants):
                 _check_state_unchanged(self.encoder, before)
         except BaseException:  # a refused or failed step leaves nothing of the batch in the encoder
             if before is not None:
-                restore_state_(self.encoder.state_dict(), before)
+                restore_state_(model_state(self.encoder), before)
                 for p in self.encoder.parameters():
                     p.grad = None  # un-noised functions of the batch
             raise
@@ -414,7 +414,7 @@ class ContrastivePretrainer(DeclaredConstants):
                     p.grad /= self.batch_size
         self.optimizer.step()
         if self.accountant is not None:
-            self._released = snapshot_state(self.encoder.state_dict())
+            self._released = snapshot_state(model_state(self.encoder))
             self._released_optimizer = self._snapshot_optimizer()
         self.steps += 1
         return stats
@@ -544,7 +544,7 @@ class ContrastivePretrainer(DeclaredConstants):
         self.encoder.load_state_dict(state["encoder"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.accountant is not None:
-            self._released = snapshot_state(self.encoder.state_dict())
+            self._released = snapshot_state(model_state(self.encoder))
             self._released_optimizer = self._snapshot_optimizer()
             self.accountant.load_state_dict(state["accountant"])
             self._accounted = self.accountant.history

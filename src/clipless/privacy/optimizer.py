@@ -35,19 +35,44 @@ from .noise import add_noise_, check_secure_flag
 from .randomness import check_generator, resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
-__all__ = ["DPOptimizer", "snapshot_state", "changed_state", "restore_state_", "put_back_changes_", "state_digests",
-           "check_fresh_optimizer", "snapshot_optimizer_state", "put_back_optimizer_state_"]
+__all__ = ["DPOptimizer", "model_state", "attribute_tensors", "snapshot_state", "changed_state", "restore_state_",
+           "put_back_changes_", "state_digests", "check_fresh_optimizer", "snapshot_optimizer_state",
+           "put_back_optimizer_state_"]
 
 
 # The private optimizer that steps each model now: a later make_private of the model retires the earlier one.
 _LATEST: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def _model_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """Every parameter (stepped or frozen) and buffer of the model, by name: what its ``state_dict`` releases."""
+def model_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter (stepped or frozen) and buffer of the model, by name: what its ``state_dict`` releases; and
+    every tensor a module keeps as a plain attribute (:func:`attribute_tensors`)."""
     state = {name: b for name, b in model.named_buffers()}
     state.update(model.named_parameters())
+    state.update(attribute_tensors(model))
     return state
+
+
+_REGISTERED = ("_parameters", "_buffers", "_modules")
+
+
+def attribute_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The tensors that modules of ``model`` keep as plain attributes, not registered (``self.center = t``, or in
+    a list, tuple or dict attribute), named ``module.attribute`` or ``module.attribute[key]``.  ``state_dict`` does
+    not release them, but every later forward may read them and a pickle of the model releases them: one set from a
+    batch (a running statistic kept by hand) holds it without noise, as a buffer would."""
+    found: Dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key in _REGISTERED:
+                continue
+            name = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, torch.Tensor):
+                found[name] = value
+            elif isinstance(value, (list, tuple, dict)):
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                found.update((f"{name}[{k}]", t) for k, t in items if isinstance(t, torch.Tensor))
+    return found
 
 
 def snapshot_state(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -151,9 +176,12 @@ def state_digests(tensors: Dict[str, torch.Tensor]) -> Dict[str, str]:
 
 @torch.no_grad()
 def restore_state_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> None:
-    """Put the snapshot's values back into the tensors of the same names."""
+    """Put the snapshot's values back into the tensors of the same names (of the same shape: a plain attribute
+    replaced by a tensor of another shape cannot be written back in place, and stays refused at every step)."""
     for name in set(current) & set(saved):
-        current[name].copy_(saved[name].to(current[name].device))
+        if current[name].shape == saved[name].shape:
+            with torch.no_grad():
+                current[name].copy_(saved[name].to(current[name].device))
 
 
 def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> List[str]:
@@ -162,6 +190,12 @@ def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.T
     if changed:
         restore_state_(current, saved)
     return changed
+
+
+# Why a plain attribute of a module may change only in the private step (the values behind its names, stated once).
+_SET = ("changed since the last private step: a value set from a batch (a running statistic or a centre kept by hand) "
+        "holds it without noise, every later forward reads it, and a pickle of the model releases it; keep such "
+        "state out of the model, or make it a constant set before make_private")
 
 
 ROWS_LEFT_OUT = ("rows of the batch drawn from the private loader were left out of the step's forwards (with "
@@ -564,7 +598,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             raise BoundError(LOSS_WEIGHTS)
 
     def _snapshot_released(self) -> Dict[str, torch.Tensor]:
-        return snapshot_state(_model_state(self.bound_engine.model))
+        return snapshot_state(model_state(self.bound_engine.model))
 
     def _changed_at_forward(self) -> Optional[str]:
         """Why the model a forward runs is not the one this step's bounds will describe, or ``None``: a constant
@@ -577,7 +611,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         why = self._settings_change()  # the input guard's bound, say, switched off for this forward's check
         if why is not None:
             return why
-        state = _model_state(self.bound_engine.model)
+        state = model_state(self.bound_engine.model)
         swapped = [n for n in self._bounded_names if id(state.get(n)) not in self._bounded]
         if swapped:
             return (f"the model's weights ({', '.join(swapped[:4])}) were other tensors than its own (torch.func."
@@ -587,6 +621,9 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         changed = changed_state(current, {n: t for n, t in self._released_state.items() if n in current})
         if not changed:
             return None
+        plain = [n for n in changed if n in attribute_tensors(self.bound_engine.model)]
+        if plain:
+            return f"tensors that modules of the private model keep as plain attributes ({', '.join(plain[:4])}) {_SET}"
         return (f"buffers or frozen parameters ({', '.join(changed[:4])}) were not as the last private step released "
                 "them: the bounds are computed from the released values; only the private step may change the model")
 
@@ -608,7 +645,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         frozen parameter that a forward updates (a running statistic) holds the batch itself; the model's
         ``state_dict`` would release either.  So would every later step the inner optimizer's state (momentum,
         moments) changed outside the step.  Every step checks this; call it before saving the model."""
-        current = _model_state(self.bound_engine.model)
+        current = model_state(self.bound_engine.model)
         changed = put_back_changes_(current, self._released_state)
         self._check_inner_state(" with the model" if changed else "")
         if not changed:
@@ -621,6 +658,10 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "model; they were put back. Change the weights only through the private optimizer's "
                              "step(): set them before make_private (on a resume, load the model's state before the "
                              "optimizer's)")
+        plain = [name for name in changed if name in attribute_tensors(self.bound_engine.model)]
+        if plain:
+            raise BoundError(f"tensors that modules of the private model keep as plain attributes "
+                             f"({', '.join(plain[:4])}) {_SET}; they were put back")
         raise BoundError(f"buffers or frozen parameters of the private model changed since the last private step "
                          f"({', '.join(changed[:4])}): state that a forward or backward updates (a running statistic) "
                          "holds the batch without noise and would be released with the model; it was put back. Only "
@@ -702,7 +743,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         except BaseException:
             # refused (or failed while releasing): nothing of the batch stays in the model or the inner optimizer's
             # state, whichever check spoke
-            restore_state_(_model_state(self.bound_engine.model), self._released_state)
+            restore_state_(model_state(self.bound_engine.model), self._released_state)
             put_back_optimizer_state_(self.original_optimizer, self._released_inner)
             raise
         finally:  # released or refused, the batches drawn so far are spent: the next step needs a new one
@@ -837,7 +878,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             raise ValueError("this optimizer state does not record the model state its steps released (saved by an "
                              "older version of clipless): a model changed after that release would be released "
                              "without noise, and nothing can check it; resume from a state saved by this version")
-        current = state_digests(_model_state(self.bound_engine.model))
+        current = state_digests(model_state(self.bound_engine.model))
         changed = sorted(name for name in set(current) | set(released) if current.get(name) != released.get(name))
         if changed:
             names = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
