@@ -35,8 +35,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .certified import UNDERFLOW_MARGIN, BoundError, DeclaredConstants, is_whole
-from .input_guard import (CLASS_CALL_PATH, global_hooks_registered, module_hooks, redefined_call_path,
-                          replaced_forward)
+from .input_guard import (CLASS_CALL_PATH, _defined_outside, global_hooks_registered, module_hooks,
+                          redefined_call_path, replaced_forward)
 from .modules import BoundedModule, LayerBound, PerStepMechanism, Residual
 
 __all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound", "check_input_shape"]
@@ -132,6 +132,17 @@ _TORCH_SETTINGS: Dict[type, Tuple[str, ...]] = {
     nn.Hardtanh: ("min_val", "max_val"), nn.ReLU6: ("min_val", "max_val"), nn.LeakyReLU: ("negative_slope",),
     nn.ELU: ("alpha",), nn.CELU: ("alpha",), nn.GELU: ("approximate",),
 }
+
+
+# What every module holds in its __dict__ (torch's own bookkeeping), and the mode train()/eval() switches.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
+
+
+def _plain_settings(module: nn.Module) -> List[Tuple[str, Any]]:
+    """The plain settings (numbers, strings, flags) of a layer of one's own: it declares what it likes, but its
+    forward reads these like constants, and one set from a batch would carry that batch into every later step."""
+    return sorted((k, v) for k, v in vars(module).items()
+                  if k not in _MODULE_INTERNALS and isinstance(v, (bool, int, float, complex, str)))
 
 
 # The methods a module's class computes with, compared at every forward and step with their values when the bounds
@@ -530,6 +541,8 @@ class BoundEngine(DeclaredConstants):
                   if isinstance(obj, DeclaredConstants) for name, value in obj.declared_values()]
         values += [(owner, type(obj).__name__, name, getattr(obj, name, None)) for owner, obj in owners
                    for name in _TORCH_SETTINGS.get(type(obj), ())]
+        values += [(owner, type(obj).__name__, name, value) for owner, obj in owners
+                   if isinstance(obj, nn.Module) and _defined_outside(obj) for name, value in _plain_settings(obj)]
         # what each module's class computes with: a method assigned on the class (Layer.forward = ...) after the
         # bounds were set up changes every instance, past every instance-level check
         values += [(owner, type(obj).__name__, _CLASS_METHODS, tuple(getattr(type(obj), k, None)
@@ -568,9 +581,10 @@ class BoundEngine(DeclaredConstants):
                             f"(assigned on the class, e.g. {cls}.{changed[0]} = ...): the bounds describe the old "
                             "one; define a subclass with its own forward and layer_bound instead")
                 return (f"{owner} ({cls}): its constant {name} changed from {value!r} to {now[3]!r} after the bounds "
-                        f"were set up (a declared constant written past its read-only guard, or a torch layer's "
-                        f"setting): the bounds and noise plan describe the old value; build a new {cls} and make "
-                        "the model private again")
+                        f"were set up (a declared constant written past its read-only guard, a torch layer's "
+                        f"setting, or a plain setting of a layer of one's own, which its forward reads as a "
+                        f"constant: one set from a batch carries it into every later step): the bounds and noise "
+                        f"plan describe the old value; build a new {cls} and make the model private again")
         return "the model's or the loss's declared constants changed after the bounds were set up"
 
     def _check_declared(self) -> None:
