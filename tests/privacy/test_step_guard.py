@@ -1995,32 +1995,38 @@ class _Scaled(cl.privacy.BoundedModule):
     """A layer of one's own with a plain setting its forward reads (``x * min(scale, 1)``: 1-Lipschitz for any
     scale), and one it writes (``seen``, the batch's size, a secret of the Poisson sampling)."""
 
-    def __init__(self, record_size: bool = False) -> None:
+    def __init__(self, record_size: str = "") -> None:
         super().__init__()
-        self.scale, self.record_size, self.seen = 1.0, record_size, 0
+        self.scale, self.record_size, self.seen, self.sizes = 1.0, record_size, 0, []
 
     def layer_bound(self, x_bound, in_shape):
         return cl.privacy.LayerBound(lipschitz=1.0, out_bound=x_bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.record_size:
+        if self.record_size == "set":
             self.seen = len(x)
+        elif self.record_size == "appended":  # a list changed in place
+            self.sizes.append(len(x))
         return x * min(self.scale, 1.0)
 
 
-@pytest.mark.parametrize("how", ["set by the loop", "set by the forward"])
+@pytest.mark.parametrize("how", ["set by the loop", "set by the forward", "appended by the forward"])
 def test_a_plain_setting_of_a_layer_of_ones_own_changed_after_make_private_is_refused(how):
     """A layer of one's own declares the constants it likes; a plain number it reads (a scale the loop set from a
-    batch's statistic) or writes (the batch's size) passed, carrying that batch into every later step without
-    noise.  Its plain settings are now held to their values at make_private, like torch layers' settings."""
-    model = nn.Sequential(_Scaled(record_size=how == "set by the forward"), cl.LipschitzLinear(6, 8), cl.MaxMin(),
-                          cl.LipschitzLinear(8, 3))
+    batch's statistic) or writes (the batch's size, or a list of them) passed, carrying that batch into every later
+    step without noise.  Its plain settings are now held to their values at make_private, like torch layers'."""
+    mode = {"set by the forward": "set", "appended by the forward": "appended"}.get(how, "")
+    model = nn.Sequential(_Scaled(mode), cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    match = "module '0' \\(_Scaled\\): its constant (scale|seen|sizes) changed .* a plain setting of a layer of one's own"
+    if how == "appended by the forward":  # the forwards of make_private's own probes append already
+        with pytest.raises(BoundError, match=match):
+            _setup_with_loader(model=model)
+        return
     model, opt, loss, engine, data, loader = _setup_with_loader(model=model)
     x, y = next(iter(loader))
     if how == "set by the loop":
         model[0].scale = float(x.abs().mean())  # a statistic of the drawn batch, no noise
-    with pytest.raises(BoundError, match="module '0' \\(_Scaled\\): its constant (scale|seen) changed .* a plain "
-                                         "setting of a layer of one's own"):
+    with pytest.raises(BoundError, match=match):
         loss.per_example(model(x), y).sum().backward()
         opt.step()
     assert engine.accountant.steps == 0

@@ -138,11 +138,22 @@ _TORCH_SETTINGS: Dict[type, Tuple[str, ...]] = {
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
 
 
+_SCALARS = (bool, int, float, complex, str)
+
+
 def _plain_settings(module: nn.Module) -> List[Tuple[str, Any]]:
-    """The plain settings (numbers, strings, flags) of a layer of one's own: it declares what it likes, but its
-    forward reads these like constants, and one set from a batch would carry that batch into every later step."""
-    return sorted((k, v) for k, v in vars(module).items()
-                  if k not in _MODULE_INTERNALS and isinstance(v, (bool, int, float, complex, str)))
+    """The plain settings (numbers, strings, flags, and lists or tuples of them, copied: a list appended to in place
+    is a change) of a layer of one's own: it declares what it likes, but its forward reads these like constants,
+    and one set from a batch would carry that batch into every later step."""
+    settings = []
+    for k, v in vars(module).items():
+        if k in _MODULE_INTERNALS:
+            continue
+        if isinstance(v, _SCALARS):
+            settings.append((k, v))
+        elif isinstance(v, (list, tuple)) and all(isinstance(e, _SCALARS) for e in v):
+            settings.append((k, (type(v).__name__, tuple(v))))
+    return sorted(settings)
 
 
 # The methods a module's class computes with, compared at every forward and step with their values when the bounds
