@@ -159,3 +159,35 @@ def test_trainer_augmented_rows_equal_to_an_undrawn_record_pass(k) -> None:
                                 target_epsilon=1e3, input_bound=1.0, progress=False, log=None,
                                 augmentation_multiplicity=k, augment=ImageAugmentation(2))
     assert trainer.fit().steps == 80
+
+
+def test_the_trainer_gives_an_augment_function_of_ones_own_each_row_alone() -> None:
+    """``PrivateTrainer(augment=f)`` called ``f`` on the whole part of the batch and declared what it returned as
+    copies of the drawn records: an ``f`` that mixed rows (mixup with the next row, a batch mean) passed, and one
+    added record moved every example's gradient.  ``f`` of one's own now sees one row at a time, so each augmented
+    row is a function of its own record; ``ImageAugmentation``, which shifts each row alone, still sees the batch."""
+    x = torch.rand(32, 36)
+    data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (32,)))
+    seen = []
+
+    def mixup(rows: torch.Tensor, generator) -> torch.Tensor:
+        seen.append(len(rows))
+        return 0.5 * rows + 0.5 * rows.roll(1, 0)  # the next row's half, or the row itself when it is alone
+
+    for augment in (mixup, ImageAugmentation(1)):
+        torch.manual_seed(0)
+        shape = (36,) if augment is mixup else (1, 6, 6)
+        records = data if augment is mixup else cl.ArrayDataset(data.features.view(32, 1, 6, 6), data.labels)
+        model = cl.lipschitz_mlp(shape, 3, hidden=(8,))
+        trainer = cl.PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cl.TauCrossEntropy(4.0),
+                                    records, input_shape=shape, batch_size=8, delta=1e-5, epochs=2,
+                                    noise_multiplier=1.0, input_bound=1.0, progress=False, log=None,
+                                    augmentation_multiplicity=2, augment=augment)
+        rows = []
+        trainer.optimizer.derived_rows_ = lambda xs, keep=trainer.optimizer.derived_rows_: (rows.append(xs.clone()),
+                                                                                            keep(xs))[1]
+        assert trainer.fit().steps == 8
+        if augment is mixup:
+            assert seen and set(seen) == {1}  # one row per call: nothing to mix with
+            for xs in rows:  # the mix of a row with itself is the row: every augmented row is a drawn record
+                assert all(bool((r == data.features).all(1).any()) for r in xs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
@@ -64,6 +65,12 @@ class TrainResult:
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+def _ours(function: Any) -> bool:
+    """Whether ``function`` (a function, or an object called as one) is defined in clipless."""
+    module = function.__module__ if isinstance(function, types.FunctionType) else type(function).__module__
+    return str(module).partition(".")[0] == "clipless"
 
 
 class PrivateTrainer(DeclaredConstants):
@@ -285,8 +292,8 @@ class PrivateTrainer(DeclaredConstants):
             # an example's K augmented rows stay in its part: the part's loss weighs each of them 1/K
             for xs, ys in physical_batches(x, y, self.max_physical_batch_size):
                 if self.augment is not None:  # K stacked augmented copies of the part (k-major rows)
-                    xs = torch.cat([self.augment(xs, self.augment_generator) for _ in range(k)])
-                    self.optimizer.derived_rows_(xs)  # shifted copies of the drawn records, whatever they equal
+                    xs = torch.cat([self._augmented(xs) for _ in range(k)])
+                    self.optimizer.derived_rows_(xs)  # augmented copies of the drawn records, whatever they equal
                     ys = ys.repeat(k)
                 logits = self.model(xs)
                 per_row = self.loss.per_example(logits, ys)
@@ -346,6 +353,15 @@ class PrivateTrainer(DeclaredConstants):
             if self.checkpoint_path is not None:
                 self.save_checkpoint(self.checkpoint_path)
         return self.result()
+
+    def _augmented(self, xs: torch.Tensor) -> torch.Tensor:
+        """``augment(xs)``.  An augmentation of clipless's own (``ImageAugmentation``) computes each row from that row
+        alone and sees the batch at once; one of the user's sees each row alone: the trainer declares the rows it
+        returns as copies of the drawn records (``derived_rows_``), and one that mixed rows (mixup, a batch mean)
+        would move every example's gradient with each added record, beyond the certified bound."""
+        if _ours(self.augment):
+            return self.augment(xs, self.augment_generator)
+        return torch.cat([self.augment(row, self.augment_generator) for row in xs.split(1)]) if len(xs) else xs
 
     def _streams(self) -> Dict[str, Optional[torch.Tensor]]:
         """This process's sampling and augmentation generator states."""
