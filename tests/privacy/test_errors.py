@@ -685,9 +685,18 @@ def test_a_dataset_of_ones_own_that_hands_out_one_record_for_two_indices_is_refu
     views_a, views_b = torch.rand(64, 4), torch.rand(64, 4)
     pairs = [(views_a[i], views_b[i]) for i in range(64)] + [(views_a[3], views_b[3])]  # pair 3 twice
     encoder = nn.Sequential(nn.Linear(4, 3))
-    with pytest.raises(ValueError, match="the training pairs holds one record twice, at indices 3 and 64"):
-        ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), _Records(65, pairs.__getitem__),
-                              batch_size=4.0, epochs=1, delta=1e-3, noise_multiplier=1.0, progress=False, log=None)
+    shifted = _Records(64, lambda i: (views_a[i], views_a[(i + 1) % 64]))  # a positive taken from the next pair
+    itself = _Records(64, lambda i: (views_a[i], views_a[i]))  # a record with itself: one pair, one record
+    for given, indices in ((_Records(65, pairs.__getitem__), "3 and 64"), (shifted, "0 and 1"), (itself, None)):
+        def build():
+            return ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), given,
+                                         batch_size=4.0, epochs=1, delta=1e-3, noise_multiplier=1.0, progress=False,
+                                         log=None)
+        if indices is None:
+            build()
+            continue
+        with pytest.raises(ValueError, match=f"the training pairs holds one record twice, at indices {indices}"):
+            build()
 
 
 def test_training_data_of_disjoint_parts_or_equal_values_stored_apart_is_accepted(data) -> None:

@@ -164,7 +164,7 @@ def _check_pair_records(pairs: Dataset, encoder: nn.Module, what: str = "the tra
         return
     shape = None
     try:
-        for xa, xb in record_chunks(pairs, each_once=what if each_once else None):
+        for xa, xb in record_chunks(pairs, each_once=what if each_once else None, views=2):
             if xa.shape[1:] != xb.shape[1:] or shape not in (None, xa.shape[1:]):
                 raise ValueError(f"{what} hold views of different per-example shapes "
                                  f"({tuple(xa.shape[1:])}, {tuple(xb.shape[1:])}"

@@ -104,10 +104,11 @@ class _EachRecordOnce(Dataset):
     object (a list holding one record's tensor twice), or the same view of one tensor (an index list naming a row
     twice), while that tensor is alive.  The tensor is held by a weak reference, so a tensor made afresh at each read
     and freed since (whose memory a later record may reuse) never matches; records equal in value but stored apart
-    stay distinct records, as for :func:`repeated_record`."""
+    stay distinct records, as for :func:`repeated_record`.  ``views``: how many leading tensors of a record are its
+    inputs (2 for a pair: one record's two views may be one tensor, another pair's view may not)."""
 
-    def __init__(self, data: Any, what: str) -> None:
-        self.data, self.what = data, what
+    def __init__(self, data: Any, what: str, views: int = 1) -> None:
+        self.data, self.what, self.views = data, what, views
         self.seen: Dict[Tuple[int, ...], Tuple[int, Any]] = {}
 
     def __len__(self) -> int:
@@ -115,18 +116,19 @@ class _EachRecordOnce(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         item = self.data[index]
-        x = item[0] if isinstance(item, (tuple, list)) and item else item
-        if isinstance(x, torch.Tensor):
+        inputs = item[:self.views] if isinstance(item, (tuple, list)) else (item,)
+        for x in inputs:
+            if not isinstance(x, torch.Tensor):
+                continue
             anchor = x if x._base is None else x._base  # a view: the tensor it views, and where
             key = (id(anchor), x.storage_offset(), *x.shape, *x.stride())
             earlier = self.seen.get(key)
-            if earlier is not None and earlier[1]() is anchor:
+            if earlier is not None and earlier[0] != index and earlier[1]() is anchor:
                 raise _held_twice(self.what, "one record", f"twice, at indices {earlier[0]} and {index}",
                                   "a Dataset whose __getitem__ returns the same tensor, or the same row of one, for "
-                                  "both: oversampling by repeated entries")
+                                  "both: oversampling by repeated entries, or a pair made of another pair's record")
             self.seen[key] = (index, weakref.ref(anchor))
         return item
-
 
 
 def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -148,13 +150,13 @@ def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
 
 
 def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None, chunk: int = 1 << 12, progress: bool = False,
-                  each_once: Optional[str] = None) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+                  each_once: Optional[str] = None, views: int = 1) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
     """Every record of ``data`` (those of ``indices`` if given) as ``(inputs, labels)`` chunks, as the Poisson
     loader yields them: an in-memory dataset's tensors (:func:`in_memory_records`), another dataset read once in
     order through the loader's collate (``progress``: with a bar of the records read).  Stops at a chunk that is not
     an ``(inputs, labels)`` pair of tensors (records of another structure are checked when a batch holds them).
-    ``each_once`` (the data's name): a dataset read record by record may not hand out one input for two indices
-    (:class:`_EachRecordOnce`)."""
+    ``each_once`` (the data's name): a dataset read record by record may not hand out one input (of the ``views``
+    leading tensors of a record) for two indices (:class:`_EachRecordOnce`)."""
     records = in_memory_records(data)
     if records is not None:
         inputs, labels = (torch.as_tensor(t) for t in records)  # a dataset of one's own may hand over arrays
@@ -168,7 +170,7 @@ def record_chunks(data: Dataset, indices: Optional[Sequence[int]] = None, chunk:
         return
     view = _GatherView(data) if hasattr(data, "gather") else data
     if each_once is not None and view is data:
-        view = _EachRecordOnce(data, each_once)
+        view = _EachRecordOnce(data, each_once, views)
     loader = DataLoader(view, batch_sampler=[order[i:i + chunk] for i in range(0, len(order), chunk)],
                         collate_fn=BatchCollator(data))
     bar = None
