@@ -552,8 +552,10 @@ class BoundEngine(DeclaredConstants):
                   if isinstance(obj, DeclaredConstants) for name, value in obj.declared_values()]
         values += [(owner, type(obj).__name__, name, getattr(obj, name, None)) for owner, obj in owners
                    for name in _TORCH_SETTINGS.get(type(obj), ())]
+        # (a per-step mechanism's state moves at every step by design, through its own noisy release)
         values += [(owner, type(obj).__name__, name, value) for owner, obj in owners
-                   if isinstance(obj, nn.Module) and _defined_outside(obj) for name, value in _plain_settings(obj)]
+                   if isinstance(obj, nn.Module) and not isinstance(obj, PerStepMechanism) and _defined_outside(obj)
+                   for name, value in _plain_settings(obj)]
         # what each module's class computes with: a method assigned on the class (Layer.forward = ...) after the
         # bounds were set up changes every instance, past every instance-level check
         values += [(owner, type(obj).__name__, _CLASS_METHODS, tuple(getattr(type(obj), k, None)
