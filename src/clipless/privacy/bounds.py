@@ -39,7 +39,8 @@ from .input_guard import (CLASS_CALL_PATH, _defined_outside, global_hooks_regist
                           redefined_call_path, replaced_forward)
 from .modules import BoundedModule, LayerBound, PerStepMechanism, Residual
 
-__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound", "check_input_shape"]
+__all__ = ["LayerSensitivity", "BoundReport", "BoundEngine", "torch_layer_bound", "check_input_shape",
+           "plain_tensors"]
 
 # Stateless torch layers whose constants are exact: l = 1 and ||f(x)|| <= ||x||.
 _PARAMETER_FREE_1LIP: Tuple[type, ...] = (nn.Flatten, nn.Unflatten, nn.Identity, nn.ReLU)
@@ -139,21 +140,46 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
 
 
 _SCALARS = (bool, int, float, complex, str)
+_DEPTH = 4  # how deep plain attributes are searched: dicts, lists and tuples inside one another
+
+
+def _plain_value(value: Any, level: int = 0) -> Any:
+    """A copy of ``value``'s plain settings: a scalar as it is, a dict, list or tuple as a tuple of its items'
+    (copied: one changed in place is a change), anything else (a tensor, an object) as its kind alone."""
+    if isinstance(value, _SCALARS):
+        return value
+    if level < _DEPTH and isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_plain_value(v, level + 1) for v in value))
+    if level < _DEPTH and isinstance(value, dict):
+        return ("dict", tuple((repr(k), _plain_value(v, level + 1)) for k, v in value.items()))
+    return f"<{type(value).__name__}>"
 
 
 def _plain_settings(module: nn.Module) -> List[Tuple[str, Any]]:
-    """The plain settings (numbers, strings, flags, and lists or tuples of them, copied: a list appended to in place
-    is a change) of a layer of one's own: it declares what it likes, but its forward reads these like constants,
-    and one set from a batch would carry that batch into every later step."""
-    settings = []
-    for k, v in vars(module).items():
-        if k in _MODULE_INTERNALS:
-            continue
-        if isinstance(v, _SCALARS):
-            settings.append((k, v))
-        elif isinstance(v, (list, tuple)) and all(isinstance(e, _SCALARS) for e in v):
-            settings.append((k, (type(v).__name__, tuple(v))))
-    return sorted(settings)
+    """The plain settings of a layer of one's own: its attributes that are numbers, strings, flags, or dicts, lists
+    and tuples holding such (copied).  It declares what it likes, but its forward reads these like constants, and
+    one set from a batch would carry that batch into every later step."""
+    return sorted(((k, _plain_value(v)) for k, v in vars(module).items()
+                   if k not in _MODULE_INTERNALS and isinstance(v, _SCALARS + (list, tuple, dict))),
+                  key=lambda setting: setting[0])
+
+
+def plain_tensors(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """The tensors ``module`` keeps as plain attributes, not registered as parameters or buffers: directly
+    (``attr``) or inside dicts, lists and tuples (``attr[key]``, ``attr[key][i]``, ...)."""
+    found: Dict[str, torch.Tensor] = {}
+
+    def walk(name: str, value: Any, level: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif level < _DEPTH and isinstance(value, (dict, list, tuple)):
+            for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+                walk(f"{name}[{key}]", item, level + 1)
+
+    for key, value in vars(module).items():
+        if key not in _MODULE_INTERNALS:
+            walk(key, value, 0)
+    return found
 
 
 # The methods a module's class computes with, compared at every forward and step with their values when the bounds

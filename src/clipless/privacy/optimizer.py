@@ -24,7 +24,7 @@ import torch
 
 from .accounting import (PrivacyAccountant, bind_accountant, check_composed_at, check_nothing_released,
                          check_released_steps_)
-from .bounds import BoundEngine, BoundReport
+from .bounds import BoundEngine, BoundReport, plain_tensors
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
@@ -53,26 +53,13 @@ def model_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return state
 
 
-_REGISTERED = ("_parameters", "_buffers", "_modules")
-
-
 def attribute_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The tensors that modules of ``model`` keep as plain attributes, not registered (``self.center = t``, or in
-    a list, tuple or dict attribute), named ``module.attribute`` or ``module.attribute[key]``.  ``state_dict`` does
-    not release them, but every later forward may read them and a pickle of the model releases them: one set from a
-    batch (a running statistic kept by hand) holds it without noise, as a buffer would."""
-    found: Dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules():
-        for key, value in vars(module).items():
-            if key in _REGISTERED:
-                continue
-            name = f"{prefix}.{key}" if prefix else key
-            if isinstance(value, torch.Tensor):
-                found[name] = value
-            elif isinstance(value, (list, tuple, dict)):
-                items = value.items() if isinstance(value, dict) else enumerate(value)
-                found.update((f"{name}[{k}]", t) for k, t in items if isinstance(t, torch.Tensor))
-    return found
+    dicts, lists or tuples: :func:`~clipless.privacy.bounds.plain_tensors`), named ``module.attribute...``.
+    ``state_dict`` does not release them, but every later forward may read them and a pickle of the model releases
+    them: one set from a batch (a running statistic kept by hand) holds it without noise, as a buffer would."""
+    return {f"{prefix}.{name}" if prefix else name: t for prefix, module in model.named_modules()
+            for name, t in plain_tensors(module).items()}
 
 
 def snapshot_state(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
