@@ -1991,7 +1991,7 @@ def test_a_buffer_changed_by_the_forward_is_refused_and_put_back(kept):
     refused()
 
 
-class _Scaled(cl.privacy.BoundedModule):
+class _PlainSettings(cl.privacy.BoundedModule):
     """A layer of one's own with a plain setting its forward reads (``x * min(scale, 1)``: 1-Lipschitz for any
     scale), and one it writes (``seen``, the batch's size, a secret of the Poisson sampling)."""
 
@@ -2016,8 +2016,9 @@ def test_a_plain_setting_of_a_layer_of_ones_own_changed_after_make_private_is_re
     batch's statistic) or writes (the batch's size, or a list of them) passed, carrying that batch into every later
     step without noise.  Its plain settings are now held to their values at make_private, like torch layers'."""
     mode = {"set by the forward": "set", "appended by the forward": "appended"}.get(how, "")
-    model = nn.Sequential(_Scaled(mode), cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
-    match = "module '0' \\(_Scaled\\): its constant (scale|seen|sizes) changed .* a plain setting of a layer of one's own"
+    model = nn.Sequential(_PlainSettings(mode), cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    match = ("module '0' \\(_PlainSettings\\): its constant (scale|seen|sizes) changed .* a plain setting of a layer "
+             "of one's own")
     if how == "appended by the forward":  # the forwards of make_private's own probes append already
         with pytest.raises(BoundError, match=match):
             _setup_with_loader(model=model)

@@ -569,7 +569,8 @@ class BoundEngine(DeclaredConstants):
     def _declared_constants(self) -> Tuple[Tuple[str, str, str, Any], ...]:
         """Every declared constant of this engine, the model's modules and the loss, read through the instances."""
         owners: List[Tuple[str, Any]] = [("the bound engine", self)]
-        owners += [(f"module '{self._names.get(id(m), '?') or '<model>'}'", m) for m in self.model.modules()]
+        layers = [(f"module '{self._names.get(id(m), '?') or '<model>'}'", m) for m in self.model.modules()]
+        owners += layers
         if isinstance(self.loss, nn.Module):
             owners += [(f"the loss's module '{n}'" if n else "the loss", m) for n, m in self.loss.named_modules()]
         elif self.loss is not None:
@@ -578,9 +579,10 @@ class BoundEngine(DeclaredConstants):
                   if isinstance(obj, DeclaredConstants) for name, value in obj.declared_values()]
         values += [(owner, type(obj).__name__, name, getattr(obj, name, None)) for owner, obj in owners
                    for name in _TORCH_SETTINGS.get(type(obj), ())]
-        # (a per-step mechanism's state moves at every step by design, through its own noisy release)
-        values += [(owner, type(obj).__name__, name, value) for owner, obj in owners
-                   if isinstance(obj, nn.Module) and not isinstance(obj, PerStepMechanism) and _defined_outside(obj)
+        # the model's layers of one's own (the loss's state has its own check, the step guard's loss_state; a
+        # per-step mechanism's state moves at every step by design, through its own noisy release)
+        values += [(owner, type(obj).__name__, name, value) for owner, obj in layers
+                   if not isinstance(obj, PerStepMechanism) and _defined_outside(obj)
                    for name, value in _plain_settings(obj)]
         # what each module's class computes with: a method assigned on the class (Layer.forward = ...) after the
         # bounds were set up changes every instance, past every instance-level check
