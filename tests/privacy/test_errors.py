@@ -76,6 +76,11 @@ def test_every_layer_without_declared_bounds_is_named_at_once_with_its_replaceme
     fixed = nn.Sequential(cl.LipschitzConv2d(1, 4, 3, padding=1), cl.MaxMin(), cl.L2NormPool2d(2), nn.Flatten(),
                           cl.LayerCentering(), cl.LipschitzLinear(16, 3))
     assert BoundEngine(fixed, SHAPE, 1.0, 1.0).compute().layers
+    assert "clipless.to_lipschitz(model) replaces torch's Linear, Conv2d and pooling layers" in message
+    with pytest.warns(UserWarning, match="by nn.Identity"):  # the converter does the rest but the activation
+        converted = cl.to_lipschitz(model, drop_unbounded=True)
+    with pytest.raises(BoundError, match=r"^layer '2' \(Softplus: use an activation with a certified constant"):
+        BoundEngine(converted, SHAPE, 1.0, 1.0)
     many = nn.Sequential(*[nn.Linear(4, 4) for _ in range(11)])
     with pytest.raises(BoundError, match=r"11 layers declare .*'7' \(Linear: use LipschitzLinear\) and 3 more\)"):
         BoundEngine(many, (4,), 1.0, 1.0)

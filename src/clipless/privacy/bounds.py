@@ -95,8 +95,11 @@ def _undeclared_error(layers: Sequence[Tuple[str, nn.Module]]) -> BoundError:
         shown += f" and {len(layers) - 8} more"
     what = f"layer {shown} declares" if len(layers) == 1 else f"{len(layers)} layers declare"
     listed = "" if len(layers) == 1 else f" ({shown})"
+    convertible = any(isinstance(m, (nn.Linear, nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)) for _, m in layers)
+    hint = "; clipless.to_lipschitz(model) replaces torch's Linear, Conv2d and pooling layers" if convertible else ""
     return BoundError(f"{what} no Lipschitz/gradient bounds{listed}; use the clipless layers (LipschitzLinear, "
-                      "LipschitzConv2d, MaxMin, ...) or subclass clipless.BoundedModule and implement layer_bound()")
+                      "LipschitzConv2d, MaxMin, ...) or subclass clipless.BoundedModule and implement layer_bound()"
+                      f"{hint}")
 
 
 def _activation_constants(module: nn.Module) -> Optional[Tuple[float, float, float]]:
