@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipless.contrastive.pairs import AugmentedPairs, gaussian_blur
+from clipless.contrastive.pairs import AugmentedPairs, GivenPairs, gaussian_blur
 
 
 def test_gaussian_blur_matches_a_direct_convolution_and_keeps_constants() -> None:
@@ -64,3 +64,26 @@ def test_seeded_augmentations_repeat_and_secret_ones_differ() -> None:
 def test_bad_augmentation_settings_are_refused(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         AugmentedPairs(torch.rand(4, 1, 8, 8), **kwargs)
+
+
+def test_given_pairs_whose_second_view_is_another_pairs_record_are_refused() -> None:
+    """A pair is one record: ``GivenPairs(x, x[partner])`` (a positive of the same class, as supervised
+    contrastive learning pairs them) passed, and put each partner in two pairs, outside the add/remove-one-pair
+    accounting. Refused now; a record with itself, views of it, equal records stored twice and constant placeholder
+    rows (a missing modality) pass."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(40, 6, generator=gen)
+    partner = torch.arange(40).roll(1)
+    with pytest.raises(ValueError, match="the second view of pair 0 is the first view of pair 39"):
+        GivenPairs(x, x[partner])
+    one_crossed = x.clone()
+    one_crossed[17] = x[3]
+    with pytest.raises(ValueError, match="pair 17 is the first view of pair 3"):
+        GivenPairs(x, one_crossed)
+    twice = torch.cat([x[:20], x[:20]])
+    missing = x.clone()
+    missing[5] = 0.0
+    placeholders = torch.zeros(40, 6)
+    for xa, xb in ((x, x.clone()), (x, x + 0.01 * torch.rand(40, 6, generator=gen)), (twice, twice.flip(1).flip(1)),
+                   (missing, placeholders), (placeholders, placeholders)):
+        assert len(GivenPairs(xa, xb)) == 40

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset
 
 from ..data.datasets import check_finite, tensors_fingerprint
 from ..privacy.certified import is_whole
+from ..privacy.input_guard import row_digests
 
 __all__ = ["crop_flip", "random_crop_flip", "gaussian_blur", "AugmentedPairs", "GivenPairs"]
 
@@ -174,6 +175,29 @@ class AugmentedPairs(Dataset):
         self.key, self.draws = bytes(state["key"]), state["draws"].clone()
 
 
+def _crossed_pair(xa: torch.Tensor, xb: torch.Tensor, candidates: int = 8) -> Optional[Tuple[int, int]]:
+    """``(i, j)``, ``j != i``, where ``xb[i]`` equals ``xa[j]`` exactly and differs from ``xa[i]``: a second view
+    taken from another pair's record.  Equal records stored twice (``xa[i] == xa[j]``) are no such pair, and views
+    or modalities of one record never equal another record, and a constant row is a placeholder.  Row digests find
+    the candidates (up to ``candidates`` per digest), exact comparison decides."""
+    n = int(xa.shape[0])
+    if n < 2:
+        return None
+    fa, fb = xa.detach().reshape(n, -1), xb.detach().reshape(n, -1)
+    firsts: Dict[int, List[int]] = {}
+    for j, d in enumerate(row_digests(fa).tolist()):
+        firsts.setdefault(d, []).append(j)
+    for i, d in enumerate(row_digests(fb).tolist()):
+        others = firsts.get(d)
+        # a constant row (zeros for a missing modality, say) is a placeholder, not another record's data
+        if not others or torch.equal(fb[i], fa[i]) or bool((fb[i] == fb[i][0]).all()):
+            continue
+        j = next((j for j in others[:candidates] if j != i and torch.equal(fb[i], fa[j])), None)
+        if j is not None:
+            return i, j
+    return None
+
+
 class GivenPairs(Dataset):
     """Pairs ``(xa[i], xb[i])`` supplied by the user (e.g. two modalities of one record)."""
 
@@ -182,6 +206,13 @@ class GivenPairs(Dataset):
             raise ValueError(f"pair sides differ in shape: {tuple(xa.shape)} vs {tuple(xb.shape)}")
         check_finite(xa, "first views")
         check_finite(xb, "second views")
+        crossed = _crossed_pair(xa, xb)
+        if crossed is not None:
+            i, j = crossed
+            raise ValueError(f"the second view of pair {i} is the first view of pair {j}: a pair is one record (two "
+                             "views or modalities of it), and one made with another record (a positive of the same "
+                             "class, say) puts that record in two pairs, whose privacy is then that of two records, "
+                             "outside the reported epsilon; pair each record with a view of itself")
         self.xa, self.xb = xa, xb
 
     def __len__(self) -> int:
