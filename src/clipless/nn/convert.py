@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..privacy.bounds import torch_layer_bound
 from ..privacy.modules import project_all_
 from .conv import LipschitzConv2d
 from .layers import L2NormPool2d, MaxMin, ScaledAvgPool2d
@@ -34,21 +35,27 @@ __all__ = ["to_lipschitz", "ACTIVATIONS"]
 
 ACTIVATIONS = ("keep", "maxmin")
 
-# torch's elementwise activations with a certified constant in the bound engine (exact types)
-_CERTIFIED_ACTIVATIONS: Tuple[type, ...] = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Tanh, nn.Sigmoid,
-                                            nn.GELU, nn.SiLU, nn.ELU, nn.CELU, nn.Softsign, nn.Tanhshrink)
 _UNBOUNDED: Tuple[type, ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
                                 nn.modules.instancenorm._InstanceNorm, nn.modules.dropout._DropoutNd,
                                 nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
-def _linear(m: nn.Linear) -> nn.Module:
-    layer = LipschitzLinear(m.in_features, m.out_features, bias=m.bias is not None)
+def _certified_activation(m: nn.Module) -> bool:
+    """A torch activation whose constant the bound engine certifies (the engine's own list, not a copy of it)."""
+    return type(m).__module__ == nn.ReLU.__module__ and torch_layer_bound(m, 1.0, (1,)) is not None
+
+
+def _with_weights_of(layer: nn.Module, m: nn.Module) -> nn.Module:
+    """``layer`` holding ``m``'s weight and bias (projected later, with the whole model)."""
     with torch.no_grad():
         layer.weight.copy_(m.weight)
         if m.bias is not None:
             layer.bias.copy_(m.bias)  # type: ignore[union-attr]
     return layer
+
+
+def _linear(m: nn.Linear) -> nn.Module:
+    return _with_weights_of(LipschitzLinear(m.in_features, m.out_features, bias=m.bias is not None), m)
 
 
 def _square(value: object, name: str) -> int:
@@ -76,11 +83,7 @@ def _conv(m: nn.Conv2d) -> nn.Module:
                                 operator_norm="fft")
     except ValueError as why:  # padding="same" with a stride or an even kernel
         raise _Unconvertible(str(why)) from None
-    with torch.no_grad():
-        layer.weight.copy_(m.weight)
-        if m.bias is not None:
-            layer.bias.copy_(m.bias)  # type: ignore[union-attr]
-    return layer
+    return _with_weights_of(layer, m)
 
 
 def _pool(m: nn.Module) -> nn.Module:
@@ -121,7 +124,7 @@ def to_lipschitz(module: nn.Module, activation: str = "keep", drop_unbounded: bo
             except _Unconvertible as why:
                 refused.append(f"'{name}' ({type(child).__name__}: {why})")
                 return None
-        if type(child) in _CERTIFIED_ACTIVATIONS and activation == "maxmin":
+        if activation == "maxmin" and _certified_activation(child):
             return MaxMin()
         if isinstance(child, _UNBOUNDED):
             if drop_unbounded:
