@@ -167,8 +167,7 @@ def restore_state_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tens
     replaced by a tensor of another shape cannot be written back in place, and stays refused at every step)."""
     for name in set(current) & set(saved):
         if current[name].shape == saved[name].shape:
-            with torch.no_grad():
-                current[name].copy_(saved[name].to(current[name].device))
+            current[name].copy_(saved[name].to(current[name].device))
 
 
 def put_back_changes_(current: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> List[str]:
