@@ -102,14 +102,17 @@ def check_each_record_once(data: Any, what: str = "the training data") -> None:
 class _EachRecordOnce(Dataset):
     """``data`` as read in order, refusing an input that the dataset hands out for two indices: the same tensor
     object (a list holding one record's tensor twice), or the same view of one tensor (an index list naming a row
-    twice), while that tensor is alive.  The tensor is held by a weak reference, so a tensor made afresh at each read
-    and freed since (whose memory a later record may reuse) never matches; records equal in value but stored apart
-    stay distinct records, as for :func:`repeated_record`.  ``views``: how many leading tensors of a record are its
-    inputs (2 for a pair: one record's two views may be one tensor, another pair's view may not)."""
+    twice), while that tensor is alive.  Each tensor read (or viewed) is held by a weak reference, so one made
+    afresh at each read and freed since (whose memory a later record may reuse) never matches, and what was noted of
+    it goes when it is freed; records equal in value but stored apart stay distinct records, as for
+    :func:`repeated_record`.  ``views``: how many leading tensors of a record are its inputs (2 for a pair: one
+    record's two views may be one tensor, another pair's view may not)."""
 
     def __init__(self, data: Any, what: str, views: int = 1) -> None:
         self.data, self.what, self.views = data, what, views
-        self.seen: Dict[Tuple[int, ...], Tuple[int, Any]] = {}
+        # per tensor alive: a weak reference to it, and the index that read each (offset, shape, strides) of it
+        self.seen: Dict[int, Tuple[Any, Dict[Tuple[int, ...], int]]] = {}
+        self._forget_freed = self._forget  # one bound method for every reference's callback
 
     def __len__(self) -> int:
         return len(self.data)
@@ -120,15 +123,32 @@ class _EachRecordOnce(Dataset):
         for x in inputs:
             if not isinstance(x, torch.Tensor):
                 continue
-            anchor = x if x._base is None else x._base  # a view: the tensor it views, and where
-            key = (id(anchor), x.storage_offset(), *x.shape, *x.stride())
-            earlier = self.seen.get(key)
-            if earlier is not None and earlier[0] != index and earlier[1]() is anchor:
-                raise _held_twice(self.what, "one record", f"twice, at indices {earlier[0]} and {index}",
+            base = x._base
+            anchor = x if base is None else base  # a view: the tensor it views, and where (a tensor: itself, whole)
+            entry = self.seen.get(id(anchor))
+            if entry is None or entry[0]() is not anchor:
+                ref = _Noted(anchor, self._forget_freed)
+                ref.key = id(anchor)
+                entry = self.seen[ref.key] = (ref, {})
+            place = () if base is None else (x.storage_offset(), *x.shape, *x.stride())
+            earlier = entry[1].setdefault(place, index)
+            if earlier != index:
+                raise _held_twice(self.what, "one record", f"twice, at indices {earlier} and {index}",
                                   "a Dataset whose __getitem__ returns the same tensor, or the same row of one, for "
                                   "both: oversampling by repeated entries, or a pair made of another pair's record")
-            self.seen[key] = (index, weakref.ref(anchor))
         return item
+
+    def _forget(self, dead: "_Noted") -> None:
+        """A tensor made afresh for one read is gone, and what was noted of it with it."""
+        entry = self.seen.get(dead.key)
+        if entry is not None and entry[0] is dead:
+            del self.seen[dead.key]
+
+
+class _Noted(weakref.ref):
+    """A weak reference that knows the key it was noted under (:class:`_EachRecordOnce`)."""
+
+    __slots__ = ("key",)
 
 
 def in_memory_records(data: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
