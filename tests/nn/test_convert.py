@@ -96,6 +96,16 @@ def test_nested_containers_and_a_single_layer_are_converted_and_the_rest_left_to
         cl.BoundEngine(kept, (3,), 1.0, 1.0).compute()
 
 
+def test_a_module_used_twice_is_converted_once_and_stays_shared():
+    """``named_children`` lists a shared module once: its second place stayed an ``nn.Linear`` beside a converted
+    first one. Every place now gets the one converted module, so the tie is kept and the bound engine names it."""
+    shared = nn.Linear(4, 4)
+    converted = cl.to_lipschitz(nn.Sequential(shared, nn.ReLU(), shared, nn.Sequential(shared)))
+    assert isinstance(converted[0], cl.LipschitzLinear) and converted[0] is converted[2] is converted[3][0]
+    with pytest.raises(cl.BoundError, match="used twice"):
+        cl.BoundEngine(converted, (4,), 1.0, 1.0)
+
+
 def test_a_converted_model_trains_privately():
     data = cl.load_digits()
     model = cl.to_lipschitz(nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)),

@@ -134,14 +134,19 @@ def to_lipschitz(module: nn.Module, activation: str = "keep", drop_unbounded: bo
                            "replaces it by nn.Identity)")
         return None
 
+    done: Dict[int, Optional[nn.Module]] = {}  # a module used in several places is converted once, kept shared
+
     def visit(parent: nn.Module, prefix: str) -> None:
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):  # every place, the second use of a shared module too
+            if child is None:
+                continue
             full = f"{prefix}{name}"
-            new = replacement(full, child)
-            if new is not None:
-                setattr(parent, name, new)
-            else:
-                visit(child, f"{full}.")
+            if id(child) not in done:
+                done[id(child)] = replacement(full, child)
+                if done[id(child)] is None:
+                    visit(child, f"{full}.")
+            if done[id(child)] is not None:
+                setattr(parent, name, done[id(child)])
 
     new_root = replacement("(the model)", converted)  # a model that is itself one layer
     if new_root is not None:
