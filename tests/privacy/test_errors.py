@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import clipless as cl
 from clipless.contrastive import ContrastivePretrainer
 from clipless.privacy.bounds import BoundEngine
 from clipless.privacy.certified import BoundError
+from clipless.privacy.sampling import record_chunks
 from clipless.train.checkpoint import load_checkpoint, save_checkpoint
 
 SHAPE = (1, 4, 4)
@@ -692,9 +695,9 @@ def test_a_dataset_of_ones_own_that_hands_out_one_record_for_two_indices_is_refu
     encoder = nn.Sequential(nn.Linear(4, 3))
     shifted = _Records(64, lambda i: (views_a[i], views_a[(i + 1) % 64]))  # a positive taken from the next pair
     itself = _Records(64, lambda i: (views_a[i], views_a[i]))  # a record with itself: one pair, one record
-    for given, indices in ((_Records(65, pairs.__getitem__), "3 and 64"), (shifted, "0 and 1"), (itself, None)):
+    for made, indices in ((_Records(65, pairs.__getitem__), "3 and 64"), (shifted, "0 and 1"), (itself, None)):
         def build():
-            return ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), given,
+            return ContrastivePretrainer(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), made,
                                          batch_size=4.0, epochs=1, delta=1e-3, noise_multiplier=1.0, progress=False,
                                          log=None)
         if indices is None:
@@ -702,6 +705,35 @@ def test_a_dataset_of_ones_own_that_hands_out_one_record_for_two_indices_is_refu
             continue
         with pytest.raises(ValueError, match=f"the training pairs holds one record twice, at indices {indices}"):
             build()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["view", "object", "copy", "flat view"]), st.integers(0, 5)),
+                min_size=1, max_size=24), st.integers(1, 7))
+def test_one_record_for_two_indices_is_refused_exactly_when_an_input_repeats(entries, chunk) -> None:
+    """Random datasets of one's own, each entry a record's row handed out as a view of a shared tensor, as one of a
+    few shared tensor objects, as a copy made afresh at each read (whose freed memory a later copy may reuse, in
+    chunks of any size), or as a slice of the tensor's flat view: refused exactly when one view or one object is handed
+    out for two indices (a row viewed through a flat view of the tensor is the same row), never for copies or for views
+    of different rows."""
+    base = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)
+    objects = [base[i].clone() for i in range(6)]
+
+    def record(i):
+        kind, row = entries[i]
+        x = {"view": lambda: base[row], "object": lambda: objects[row], "copy": lambda: base[row].clone(),
+             "flat view": lambda: base.view(-1)[4 * row:4 * row + 4]}[kind]()
+        return x, 0
+
+    shared = [("view" if kind == "flat view" else kind, row) for kind, row in entries if kind != "copy"]
+    repeated = len(shared) != len(set(shared))
+    dataset = _Records(len(entries), record)
+    if repeated:
+        with pytest.raises(ValueError, match="holds one record twice, at indices"):
+            list(record_chunks(dataset, chunk=chunk, each_once="the training data"))
+    else:
+        chunks = record_chunks(dataset, chunk=chunk, each_once="the training data")
+        assert sum(len(y) for _, y in chunks) == len(entries)
 
 
 def test_training_data_of_disjoint_parts_or_equal_values_stored_apart_is_accepted(data) -> None:
