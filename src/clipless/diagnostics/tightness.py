@@ -7,7 +7,6 @@ tests and by audits, never by the training step).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Dict, List
 
@@ -17,7 +16,7 @@ from torch import nn
 from ..privacy.bounds import BoundReport
 from ..privacy.certified import BoundError, is_real, whole_number
 from ..privacy.input_guard import paused_guards
-from ..privacy.modules import LipschitzLoss, step_mechanisms
+from ..privacy.modules import LipschitzLoss
 
 __all__ = ["per_example_gradient_norms", "tightness", "TightnessMonitor"]
 
@@ -79,10 +78,7 @@ class TightnessMonitor:
         self, model: nn.Module, loss: LipschitzLoss, x: torch.Tensor, y: torch.Tensor, report: BoundReport, step: int
     ) -> Dict[str, float]:
         """Ratios of this check; raises :class:`BoundError` if any exceeds ``1 + tol``."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(paused_guards(model))  # diagnostic passes, not part of the step
-            for clip in step_mechanisms(model):  # these backward passes are not part of the step
-                stack.enter_context(clip.counting_paused())
+        with paused_guards(model):  # diagnostic passes, not part of the step: no guard, no per-step count
             ratios = tightness(model, loss, x[: self.sample], y[: self.sample], report)
         for name, ratio in ratios.items():
             self.worst[name] = max(self.worst.get(name, 0.0), ratio)

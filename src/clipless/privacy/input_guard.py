@@ -1190,10 +1190,7 @@ class StepGuard:
                "input alone")
         params = [p for p in params if p.requires_grad]
         expected = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-        with paused_guards(model), torch.enable_grad(), contextlib.ExitStack() as counts:
-            for m in model.modules():  # the recomputation's backwards are no examples of a per-step statistic
-                if callable(getattr(m, "counting_paused", None)):
-                    counts.enter_context(m.counting_paused())
+        with paused_guards(model), torch.enable_grad():  # the recomputation's backwards count in no statistic
             for x, grad in checks:
                 if x is None:
                     return why
@@ -1338,9 +1335,13 @@ class _LayerCall(_Hook):
 
 @contextlib.contextmanager
 def paused_guards(model: nn.Module) -> Iterator[None]:
-    """Pause the step guards of ``model`` (diagnostic forwards/backwards that are not part of a step)."""
+    """Pause the step guards of ``model`` and the counting of its per-step mechanisms (``counting_paused``: an
+    adaptive clip's count): the forwards and backwards inside are diagnostics, not part of a step."""
     guards = [h.guard for h in model._forward_hooks.values() if isinstance(h, _ModelLeave)]
     with contextlib.ExitStack() as stack:
         for guard in guards:
             stack.enter_context(guard.paused())
+        for m in model.modules():  # by name: the mechanisms' base class (modules.py) imports this module
+            if callable(getattr(m, "counting_paused", None)):
+                stack.enter_context(m.counting_paused())
         yield
