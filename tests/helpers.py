@@ -164,9 +164,8 @@ def empty_batch_backward(model, loss, input_shape):
 def capture_released(dp_optimizer):
     """A list that receives, at every private step, the gradients the inner optimizer is given (noisy, / b)."""
     released = []
-    dp_optimizer.original_optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: released.append(
-            {id(p): p.grad.detach().clone() for g in opt.param_groups for p in g["params"] if p.grad is not None}))
+    params = dict(dp_optimizer.bound_engine.model.named_parameters())
+    dp_optimizer.register_release_hook(lambda grads: released.append({id(params[n]): g for n, g in grads.items()}))
     return released
 
 

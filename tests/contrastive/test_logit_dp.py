@@ -753,6 +753,17 @@ def test_steps_taken_out_of_the_pretrainers_accountant_are_refused_and_put_back(
     assert t.accountant.history == released and t.steps == t.accountant.steps
 
 
+def test_an_accountant_step_replaced_on_the_pretrainers_accountant_is_refused_and_counted() -> None:
+    """``accountant.step`` replaced by a function that composes nothing released the pre-trainer's steps outside
+    epsilon; each step now checks that the history is exactly the planned extension of the one before."""
+    t = _trainer("logit_dp", epochs=1)
+    t.accountant.__dict__["step"] = lambda *args, **kwargs: None
+    with pytest.raises(BoundError, match="did not compose the released step"):
+        t.fit()
+    assert t.accountant.steps == 1  # counted all the same
+    del t.accountant.__dict__["step"]
+
+
 def test_the_training_pairs_swapped_in_as_eval_pairs_are_refused() -> None:
     """``t.eval_pairs = t.pairs`` after construction (past ``check_held_out``) logged the training pairs' loss
     without noise as the held-out loss. The pairs are declared constants, checked before a held-out loss."""

@@ -79,8 +79,9 @@ class Loop(RuleBasedStateMachine):
         self.reference = copy.deepcopy(self.model)  # an ordinary model: a deep copy is not guarded
         self.released = self._weights()
         self.given = []  # the gradients the inner optimizer is given at each accepted step, and its momentum then
-        self.opt.original_optimizer.register_step_pre_hook(lambda *_: self.given.append(
-            ([None if p.grad is None else p.grad.detach().clone() for p in self.model.parameters()], self._momentum())))
+        names = [name for name, _ in self.model.named_parameters()]
+        self.opt.register_release_hook(lambda grads: self.given.append(
+            ([grads.get(name) for name in names], self._momentum())))
         self.momentum = self._momentum()  # as the accepted steps left it (or a resume loaded it)
         self.momentum_edited = False        # changed by hand since the last step
         self.iterator = iter(self.loader)

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..data.datasets import check_finite, check_held_out
-from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_delta,
-                                  check_nothing_released, check_released_steps_)
+from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_accounted_steps, check_composed_,
+                                  check_delta, check_nothing_released, check_released_steps_)
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
 from ..privacy.certified import check_flag, whole_number
 from ..privacy.noise import add_gaussian_noise_, check_secure_flag
@@ -406,8 +406,8 @@ class ContrastivePretrainer(DeclaredConstants):
         if self.accountant is not None:
             add_gaussian_noise_(params, self.sigma * self.sensitivity, self.batch_size,  # type: ignore[operator]
                                 self.noise_generator, self.secure_noise)
-            self.plan.account_step(self.accountant)  # type: ignore[union-attr]
-            self._accounted = self.accountant.history
+            self._accounted = self.plan.account_step(self.accountant, self._accounted)  # type: ignore[union-attr]
+            check_composed_(self.accountant, self._accounted)  # type: ignore[arg-type]
         else:
             for p in params:  # same scaling as the private paths: sum / expected batch size
                 if p.grad is not None:

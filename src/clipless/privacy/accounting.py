@@ -31,6 +31,8 @@ __all__ = [
     "check_delta",
     "check_accounted_steps",
     "check_composed_at",
+    "check_composed_",
+    "extended_history",
     "check_released_steps_",
     "check_positive_finite",
 ]
@@ -243,6 +245,35 @@ def _quiet_excluded_orders(record: logging.LogRecord) -> bool:
     return "failed to converge" not in record.getMessage()
 
 
+def extended_history(history: Sequence[tuple], noise_multiplier: float, sample_rate: float,
+                     steps: int = 1) -> List[tuple]:
+    """``history`` (``(noise_multiplier, sample_rate, steps)`` entries) after ``steps`` more steps, as
+    :meth:`PrivacyAccountant.step` extends it: consecutive steps of one mechanism merged into one entry."""
+    out = [tuple(e) for e in history]
+    if out and out[-1][0] == noise_multiplier and out[-1][1] == sample_rate:
+        out[-1] = (out[-1][0], out[-1][1], out[-1][2] + steps)
+    else:
+        out.append((float(noise_multiplier), float(sample_rate), int(steps)))
+    return out
+
+
+def check_composed_(accountant: "PrivacyAccountant", expected: Sequence[tuple]) -> None:
+    """Refuse a step that ``accountant`` did not compose as planned (its history is not ``expected``, what the
+    planned step makes of the history before it), and put ``expected`` back: a ``step`` replaced on the accountant,
+    or a subclass's, would otherwise release the step without its epsilon."""
+    if accountant.history == [tuple(e) for e in expected] and not _own_methods(accountant):
+        return
+    PrivacyAccountant.put_back_(accountant, expected)
+    raise BoundError("the accountant did not compose the released step as planned (a method replaced on it, e.g. "
+                     "accountant.step = ...): its epsilon would leave the step out; the step was accounted and "
+                     "refused. Only PrivacyAccountant's own methods compose steps")
+
+
+def _own_methods(accountant: "PrivacyAccountant") -> List[str]:
+    """Methods set on the accountant instance (``accountant.get_epsilon = ...``), which its class never has."""
+    return sorted(k for k, v in vars(accountant).items() if callable(v))
+
+
 class PrivacyAccountant(DeclaredConstants):
     """Composes Poisson-subsampled Gaussian steps; ``get_epsilon(delta)`` like Opacus.
 
@@ -251,6 +282,12 @@ class PrivacyAccountant(DeclaredConstants):
     """
 
     constants = ("mechanism",)  # the run's budget was planned with it (a resume checks it)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if callable(value):  # a method set on the instance would compose or report other than its class
+            raise AttributeError(f"PrivacyAccountant.{name}: the accountant's methods are its class's; an "
+                                 "accountant that composes or reports otherwise would leave epsilon wrong")
+        super().__setattr__(name, value)
 
     def __init__(self, mechanism: str = "pld") -> None:
         _new_accountant(mechanism)  # validates the name
@@ -272,11 +309,8 @@ class PrivacyAccountant(DeclaredConstants):
             _check_pld_noise(noise_multiplier)
         if steps == 0:
             return
-        last = self._history[-1] if self._history else None
-        if last and last.noise_multiplier == noise_multiplier and last.sample_rate == sample_rate:
-            self._history = self._history[:-1] + (_Entry(last.noise_multiplier, last.sample_rate, last.steps + steps),)
-        else:
-            self._history += (_Entry(float(noise_multiplier), float(sample_rate), int(steps)),)
+        self._history = tuple(_Entry(float(s), float(q), int(n))
+                              for s, q, n in extended_history(self.history, noise_multiplier, sample_rate, steps))
 
     def holds(self, earlier: Sequence[tuple]) -> bool:
         """Whether this history still holds every step of ``earlier`` (an earlier value of :attr:`history`) as

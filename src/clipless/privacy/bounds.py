@@ -167,27 +167,34 @@ def _plain_settings(module: nn.Module) -> List[Tuple[str, Any]]:
                   key=lambda setting: setting[0])
 
 
-def plain_tensors(module: nn.Module) -> Dict[str, torch.Tensor]:
-    """The tensors ``module`` keeps as plain attributes, not registered as parameters or buffers: directly
-    (``attr``) or inside dicts, lists and tuples (``attr[key]``, ``attr[key][i]``, ...)."""
+def plain_tensors(obj: Any, skip: Any = _MODULE_INTERNALS,
+                  key_names: Optional[Dict[int, str]] = None) -> Dict[str, torch.Tensor]:
+    """The tensors ``obj`` (a module: not registered as parameters or buffers) keeps as plain attributes, those
+    not in ``skip``: directly (``attr``) or inside dicts, lists and tuples (``attr[key]``, ``attr[key][i]``, ...).
+    A dict keyed by tensors (an optimizer's per-parameter dict) names each by ``key_names[id(key)]``, or by its
+    position."""
     found: Dict[str, torch.Tensor] = {}
 
     def walk(name: str, value: Any, level: int) -> None:
         if isinstance(value, torch.Tensor):
             found[name] = value
         elif level < _DEPTH and isinstance(value, (dict, list, tuple)):
-            for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            for i, (key, item) in enumerate(value.items() if isinstance(value, dict) else enumerate(value)):
+                if isinstance(key, torch.Tensor):  # never its values: a parameter's repr prints them all
+                    key = (key_names or {}).get(id(key), f"<tensor {i}>")
                 walk(f"{name}[{key}]", item, level + 1)
 
-    for key, value in vars(module).items():
-        if key not in _MODULE_INTERNALS:
+    for key, value in vars(obj).items():
+        if key not in skip:
             walk(key, value, 0)
     return found
 
 
 # The methods a module's class computes with, compared at every forward and step with their values when the bounds
 # were set up.
-_CLASS_METHODS = ("forward", "layer_bound", "project_", "per_example") + CLASS_CALL_PATH
+_BOUND_METHODS = ("layer_bound", "project_")
+_STATE_METHODS = ("get_extra_state", "set_extra_state", "_load_from_state_dict", "_save_to_state_dict")
+_CLASS_METHODS = ("forward", "per_example") + _BOUND_METHODS + _STATE_METHODS + CLASS_CALL_PATH
 
 
 # Where the layers' forwards and the bounds' certificates find their functions.  One replaced there after the bounds
@@ -544,15 +551,20 @@ class BoundEngine(DeclaredConstants):
                                  "__call__ that scales the output passes every check a forward is given); define "
                                  "forward and layer_bound instead")
             replaced = replaced_forward(module)
-            if replaced is None and isinstance(module, BoundedModule) and "layer_bound" in vars(module):
-                replaced = "layer_bound"  # an unchecked bound in place of the class's certified one
+            if replaced is None and isinstance(module, BoundedModule):
+                # an unchecked bound in place of the class's certified one, a projection that moves the weights
+                # inside the private step after its checks, or a load that writes its own certificate
+                replaced = next((m for m in _BOUND_METHODS if m in vars(module)), None)
+            if replaced is None:  # what a checkpoint saves of a module and how a resume puts it back
+                replaced = next((m for m in _STATE_METHODS if m in vars(module)), None)
             if replaced is None and isinstance(module, PerStepMechanism):  # what it releases after each step
                 replaced = next((m for m in ("update_", "keep_only_", "counting_paused") if m in vars(module)), None)
             if replaced:
                 raise BoundError(f"module '{name}' ({type(module).__name__}) has its own {replaced} (set on the "
-                                 "instance, e.g. module.forward = ..., module.layer_bound = ..., module.update_ = ... "
-                                 "or module.compile()): the bounds describe its class's forward and are its class's; "
-                                 "use a layer class that declares bounds for what it computes")
+                                 "instance, e.g. module.forward = ..., module.layer_bound = ..., module.project_ = "
+                                 "..., module.update_ = ... or module.compile()): the bounds describe its class's "
+                                 "forward, and its bounds, projection and saved state are its class's; use a layer "
+                                 "class that declares bounds for what it computes")
 
     def _check_same_layers(self) -> None:
         """The layers the bounds were set up for are still the model's, in the same places: a layer added,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import types
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .accounting import (
     calibrate_noise_multiplier,
@@ -28,6 +28,7 @@ from .accounting import (
     check_positive_finite,
     compute_epsilon,
     effective_noise_multiplier,
+    extended_history,
     gradient_noise_multiplier,
 )
 from .bounds import BoundReport
@@ -85,9 +86,14 @@ class NoisePlan:
                 f"the privacy budget (epsilon {self.target_epsilon}, delta {self.delta}) allows {self.max_steps} "
                 "steps and all were taken; no further step is released")
 
-    def account_step(self, accountant: Any) -> None:
-        """Record one released step of this plan's mechanism at its sample rate."""
+    def account_step(self, accountant: Any, accounted: Optional[Sequence[tuple]] = None) -> List[tuple]:
+        """Record one released step of this plan's mechanism at its sample rate.  Returns the history the accountant
+        must hold now: ``accounted`` (its history before, by default as it reads now) extended by this step, which
+        the caller keeps and checks (:func:`~clipless.privacy.accounting.check_composed_`)."""
+        expected = extended_history(accountant.history if accounted is None else accounted, self.step_sigma,
+                                    self.sample_rate)
         accountant.step(self.step_sigma, self.sample_rate)
+        return expected
 
 
 MAX_STEPS = 10 ** 9

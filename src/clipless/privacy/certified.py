@@ -7,8 +7,10 @@ in :mod:`clipless.diagnostics.robustness`.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -252,33 +254,104 @@ def certified_bjorck_step(matrix: torch.Tensor, residual: Optional[torch.Tensor]
     return result, (1.0 + slack) * CERT_MARGIN
 
 
+class _Entry:
+    """What a cache holds (kept in :data:`_HELD`, not on the cache): the tensor's copy, the key, the value, and the
+    probe of the power iteration that checks each value of a matrix from below."""
+
+    __slots__ = ("tensor", "key", "value", "probe")
+
+    def __init__(self) -> None:
+        self.tensor: Optional[torch.Tensor] = None
+        self.key: Any = None
+        self.value = 0.0
+        self.probe: Optional[torch.Tensor] = None
+
+
+# The caches' entries, by cache.  Held here rather than as attributes of the cache, which is an attribute of a
+# layer: a write to ``layer._norm_cache._value`` would otherwise pass a smaller certificate for the same weights.
+_HELD: "weakref.WeakKeyDictionary[CertifiedValueCache, _Entry]" = weakref.WeakKeyDictionary()
+
+# How far below a matrix's measured norm (||W^T u|| / ||u|| <= ||W||_2, in float64: rounding below 1e-12 of it for
+# any weight of up to 10^6 rows) a value may be and still be taken for a certificate of it; far above the rounding,
+# far below a smaller claim of any consequence.
+_BELOW_MEASURED = 1e-6
+
+
+def _measured_norm(matrix: torch.Tensor, entry: _Entry) -> float:
+    """A lower bound on ``||matrix||_2``: ``||W^T u|| / ||u||`` for the probe ``u`` on the smaller side (one step of
+    power iteration from the previous value's probe, so it tracks the top singular vector as the weights move).  For
+    orthonormal rows (Björck), any ``u`` gives the norm itself."""
+    w = matrix.detach().to(torch.float64)
+    if w.shape[0] > w.shape[1]:
+        w = w.T
+    u = entry.probe
+    if u is None or u.shape != (w.shape[0],) or u.device != w.device:
+        u = torch.randn(w.shape[0], dtype=w.dtype, generator=torch.Generator().manual_seed(0)).to(w.device)
+    v = w.T @ u
+    u_norm = float(torch.linalg.vector_norm(u))
+    measured = float(torch.linalg.vector_norm(v)) / u_norm if u_norm > 0 else 0.0
+    nxt = w @ v
+    nxt_norm = float(torch.linalg.vector_norm(nxt))
+    entry.probe = nxt / nxt_norm if math.isfinite(nxt_norm) and nxt_norm > 0 else None
+    return measured if math.isfinite(measured) else 0.0
+
+
 class CertifiedValueCache:
     """A certified value remembered for one exact tensor and key.
 
     Any change of the tensor (compared element by element, so in-place updates through ``.data``
-    are seen too) or of the key invalidates it: a cached bound is never used for other weights.
+    are seen too) or of the key invalidates it: a cached bound is never used for other weights.  The value of a
+    matrix (a dense weight, key ``None``) is checked from below when it is put: one below the matrix's measured
+    norm (:func:`_measured_norm`) is no certificate of it, and is refused.
     """
 
-    def __init__(self) -> None:
-        self._tensor: Optional[torch.Tensor] = None
-        self._key: Any = None
-        self._value = 0.0
+    def _entry(self) -> _Entry:
+        entry = _HELD.get(self)
+        if entry is None:
+            entry = _HELD[self] = _Entry()
+        return entry
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "CertifiedValueCache":  # a copied layer copies its certificate
+        copied = CertifiedValueCache()
+        entry, new = self._entry(), copied._entry()
+        new.tensor = None if entry.tensor is None else entry.tensor.clone()
+        new.key, new.value = copy.deepcopy(entry.key, memo), entry.value
+        return copied
+
+    def __getstate__(self) -> Dict[str, Any]:  # pickled with its layer (torch.save of a whole model)
+        entry = self._entry()
+        return {"tensor": entry.tensor, "key": entry.key, "value": entry.value}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        tensor, key, value = state.get("tensor"), state.get("key"), state.get("value", 0.0)
+        if isinstance(tensor, torch.Tensor) and is_real(value):
+            self.put(tensor, key, float(value))  # checked as any other value put
 
     def get(self, tensor: torch.Tensor, key: Any) -> Optional[float]:
-        t = self._tensor
-        if t is None or key != self._key or t.shape != tensor.shape or not torch.equal(t, tensor.detach()):
+        entry = self._entry()
+        t = entry.tensor
+        if t is None or key != entry.key or t.shape != tensor.shape or not torch.equal(t, tensor.detach()):
             return None
-        return self._value
+        return entry.value
 
     def put(self, tensor: torch.Tensor, key: Any, value: float) -> float:
-        self._tensor, self._key, self._value = tensor.detach().clone(), key, float(value)
-        return self._value
+        entry = self._entry()
+        value = float(value)
+        if tensor.dim() == 2 and tensor.is_floating_point() and tensor.numel():
+            measured = _measured_norm(tensor, entry)
+            if not value >= measured * (1 - _BELOW_MEASURED):  # "not >=": a NaN value is refused too
+                raise BoundError(f"a certificate {value:.6g} was put for a weight matrix whose norm is at least "
+                                 f"{measured:.6g}: it is not an upper bound (a cached certificate set by hand?); the "
+                                 "layers' certificates come from their own projection and bound computations only")
+        entry.tensor, entry.key, entry.value = tensor.detach().clone(), key, value
+        return entry.value
 
     def state(self, tensor: torch.Tensor) -> Dict[str, Any]:
         """The certificate held for ``tensor`` as it is now, for a checkpoint (``{}`` when none is held)."""
-        if self.get(tensor, self._key) is None:
+        entry = self._entry()
+        if self.get(tensor, entry.key) is None:
             return {}
-        return {"key": self._key, "value": self._value}
+        return {"key": entry.key, "value": entry.value}
 
     def restore(self, tensor: torch.Tensor, state: Dict[str, Any], certify: Callable[[Any], float]) -> None:
         """Put back a checkpoint's certificate, never below ``certify(key)`` (recomputed from ``tensor`` alone).
@@ -292,5 +365,3 @@ class CertifiedValueCache:
         key, value = state["key"], float(state["value"])
         fresh = certify(key)
         self.put(tensor, key, value if value >= fresh else fresh)  # ">=": a NaN claim is replaced too
-
-

@@ -17,19 +17,20 @@ import dataclasses
 import hashlib
 import inspect
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from .accounting import (PrivacyAccountant, bind_accountant, check_composed_at, check_nothing_released,
-                         check_released_steps_)
+from .accounting import (PrivacyAccountant, bind_accountant, check_composed_, check_composed_at,
+                         check_nothing_released, check_released_steps_)
 from .bounds import BoundEngine, BoundReport, plain_tensors
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
-from .input_guard import (LOSS_WEIGHTS, InputGuard, StepGuard, allowed_uniform_weight, row_digests, rows_beyond,
-                          rows_not_drawn, rows_repeated, undrawn_records, unwatched)
+from .input_guard import (_OPTIM, LOSS_WEIGHTS, InputGuard, StepGuard, _refuse_outside_step, allowed_uniform_weight,
+                          row_digests, rows_beyond, rows_not_drawn, rows_repeated, undrawn_records, unwatched)
 from .modules import DeclaredConstants, step_mechanisms
 from .noise import add_noise_, check_secure_flag
 from .randomness import check_generator, resume_generator, saved_generator_state, secret_generator
@@ -90,6 +91,79 @@ def check_fresh_optimizer(optimizer: torch.optim.Optimizer, given_to: str, resum
         raise ValueError(f"the {type(optimizer).__name__} given to {given_to} holds state from earlier steps "
                          f"(momentum or moments of {held} parameter(s)): made from gradients without noise, it "
                          f"would move every released step; give it a fresh optimizer (a resume: {resume})")
+
+
+# torch.optim.Optimizer's hook registries, by the method that fills each.  A hook runs inside the private step (or
+# the state_dict a checkpoint saves) on its noisy values, but may read whatever its closure holds, such as a gradient
+# saved in the loop before the noise, and write it into the weights every later step releases.
+_OPTIMIZER_HOOKS = {"_optimizer_step_pre_hooks": "register_step_pre_hook",
+                    "_optimizer_step_post_hooks": "register_step_post_hook",
+                    "_optimizer_state_dict_pre_hooks": "register_state_dict_pre_hook",
+                    "_optimizer_state_dict_post_hooks": "register_state_dict_post_hook",
+                    "_optimizer_load_state_dict_pre_hooks": "register_load_state_dict_pre_hook",
+                    "_optimizer_load_state_dict_post_hooks": "register_load_state_dict_post_hook"}
+# An optimizer's attributes that other checks cover: the per-parameter state (snapshot_optimizer_state), the groups
+# (settings a schedule may change), the hooks (optimizer_hooks)
+_OPTIMIZER_CHECKED = frozenset({"state", "param_groups", *_OPTIMIZER_HOOKS})
+
+
+def _optimizers_in(optimizer: torch.optim.Optimizer) -> List[torch.optim.Optimizer]:
+    """``optimizer`` and the optimizers it keeps as attributes (a wrapper's base optimizer), at any depth."""
+    found: List[torch.optim.Optimizer] = []
+    todo = [optimizer]
+    while todo:
+        current = todo.pop()
+        if not any(current is seen for seen in found):
+            found.append(current)
+            todo += [v for v in vars(current).values() if isinstance(v, torch.optim.Optimizer)]
+    return found
+
+
+def optimizer_hooks(optimizer: torch.optim.Optimizer) -> List[str]:
+    """The hooks that a step or a ``state_dict`` of ``optimizer`` would run: its own and those of the optimizers it
+    wraps, and torch's global optimizer step hooks (but the step guard's own, which refuses a step outside the
+    private one), each as ``"Adam.register_step_pre_hook (fn)"``."""
+    found = []
+    for held in _optimizers_in(optimizer):
+        for registry, method in _OPTIMIZER_HOOKS.items():
+            found += [f"{type(held).__name__}.{method} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+                      for fn in getattr(held, registry, {}).values()]
+    for registry, method in (("_global_optimizer_pre_hooks", "register_optimizer_step_pre_hook"),
+                             ("_global_optimizer_post_hooks", "register_optimizer_step_post_hook")):
+        found += [f"torch.optim.optimizer.{method} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+                  for fn in getattr(_OPTIM, registry, {}).values() if fn is not _refuse_outside_step]
+    return found
+
+
+def step_functions(optimizer: torch.optim.Optimizer) -> Tuple[Tuple[Any, Any, Any], ...]:
+    """What a step of ``optimizer`` runs, for it and each optimizer it wraps: the object, its class's ``step`` and a
+    ``step`` set on the instance (torch's learning-rate schedulers wrap the step of the optimizer they are given)."""
+    return tuple((held, getattr(type(held), "step", None), vars(held).get("step"))
+                 for held in _optimizers_in(optimizer))
+
+
+def hooks_refused(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why ``optimizer`` cannot be stepped privately because of its hooks (:func:`optimizer_hooks`), or ``None``."""
+    hooks = optimizer_hooks(optimizer)
+    if not hooks:
+        return None
+    return (f"the optimizer inside the private step has hooks ({', '.join(hooks[:3])}): a hook runs inside the "
+            "private step on the noisy gradient, but it may read anything its code holds (a gradient saved before "
+            "the noise) and write it into the weights or the optimizer's state, which every later step releases; "
+            "remove the hooks (handle.remove()) and do that work in the loop after optimizer.step()")
+
+
+def held_tensors(optimizer: torch.optim.Optimizer, key_names: Optional[Dict[int, str]] = None
+                 ) -> Dict[str, torch.Tensor]:
+    """The tensors an optimizer keeps outside its per-parameter ``state``: in plain attributes (a momentum kept in
+    ``self.buffers[p]``, a wrapper's slow weights), and the ``state`` of each optimizer it wraps.  Its step builds
+    them from the noisy gradients, and later steps apply them, as they do ``state``."""
+    found: Dict[str, torch.Tensor] = {}
+    for i, held in enumerate(_optimizers_in(optimizer)):
+        prefix = "" if i == 0 else f"<wrapped {type(held).__name__} {i}>."
+        skip = _OPTIMIZER_CHECKED if i == 0 else _OPTIMIZER_CHECKED - {"state"}
+        found.update({prefix + name: t for name, t in plain_tensors(held, skip, key_names).items()})
+    return found
 
 
 def _copied(value: Any) -> Any:
@@ -239,6 +313,10 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              "times per step, and each evaluation's gradient would be used without noise; use a "
                              "first-order optimizer (SGD, Adam, ...)")
         check_fresh_optimizer(optimizer, "make_private", "make_private, then dp_optimizer.load_state_dict(saved)")
+        hooked = hooks_refused(optimizer)
+        if hooked is not None:
+            raise ValueError(hooked)
+        self._inner_steps = step_functions(optimizer)  # the inner step as given: nothing may replace it later
         bind_accountant(bound_engine.model, accountant)
         self.original_optimizer = optimizer
         self.rank, self.world_size = world() if distributed else (0, 1)
@@ -284,6 +362,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         optimizer.zero_grad(set_to_none=True)
         self._released_state = self._snapshot_released()  # only a private step may change it
         self._released_inner = snapshot_optimizer_state(optimizer)  # nor the inner optimizer's state
+        self._released_held = snapshot_state(self._held())  # nor what it keeps elsewhere
         self._batches: Optional[PoissonDataLoader] = None  # the loader whose batches the steps consume, one each
         self._batches_released = 0
         self._external_batches = False
@@ -302,6 +381,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         names = {id(p): name for name, p in bound_engine.model.named_parameters()}
         self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
         self._retired = False
+        self._release_hooks: "OrderedDict[int, Callable[[Dict[str, torch.Tensor]], Any]]" = OrderedDict()
         self._frozen = self._settings()
         _LATEST[bound_engine.model] = weakref.ref(self)
 
@@ -375,6 +455,14 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                                      "composing)")
 
     def _settings_change(self) -> Optional[str]:
+        hooked = hooks_refused(self.original_optimizer)  # a hook added after make_private
+        if hooked is not None:
+            return hooked
+        if step_functions(self.original_optimizer) != self._inner_steps:
+            return ("the step function of the optimizer inside the private step was replaced after make_private (on "
+                    "the instance, as a learning-rate scheduler made on that optimizer does, or on its class): it "
+                    "would run inside the private step, on the noisy gradient, but could apply anything its code "
+                    "holds; make schedulers on the optimizer make_private returned, and put the step back")
         if self._settings() == self._frozen:
             return None
         return ("the private optimizer's settings (noise plan, accountant, noise generator, inner optimizer, batch "
@@ -658,6 +746,16 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         """Refuse the inner optimizer's state if it is not as the last step (or a resume) left it, and put that
         state back (``also``: what else was put back)."""
         inner = put_back_optimizer_state_(self.original_optimizer, self._released_inner)
+        kept = put_back_changes_(self._held(), self._released_held)
+        if kept:
+            raise BoundError(f"tensors that the {type(self.original_optimizer).__name__} inside the private optimizer "
+                             f"keeps outside its state ({', '.join(kept[:4])}) changed outside the private step since "
+                             f"its last release: written in the loop, they could hold a gradient without noise, which "
+                             f"every later step would apply; they were put back{also}. Only the private step may "
+                             "change them")
+        hooked = hooks_refused(self.original_optimizer)  # before a state_dict would run them
+        if hooked is not None:
+            raise BoundError(hooked)
         if not inner:
             return
         names = {id(p): name for name, p in self.bound_engine.model.named_parameters()}
@@ -667,6 +765,12 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                          "last release: written by hand or loaded with original_optimizer.load_state_dict, it could "
                          f"hold a gradient without noise, which every later step would apply; it was put back{also}. "
                          "Only the private step may change it (a resume: the private optimizer's load_state_dict)")
+
+    def _held(self) -> Dict[str, torch.Tensor]:
+        """The inner optimizer's tensors outside its per-parameter state (:func:`held_tensors`), the model's weights
+        left out (they are the released state's)."""
+        names = {id(p): name for name, p in self.bound_engine.model.named_parameters()}
+        return {name: t for name, t in held_tensors(self.original_optimizer, names).items() if id(t) not in names}
 
     def restart_from_(self, state: Dict[str, torch.Tensor]) -> None:
         """Load ``state`` (a ``state_dict`` of the model) and take it as the released state: for a harness that
@@ -695,6 +799,17 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
 
+    def register_release_hook(self, hook: Callable[[Dict[str, torch.Tensor]], Any]) -> RemovableHandle:
+        """Call ``hook(gradients)`` at every released step with copies of the gradients the inner optimizer is then
+        given (noisy, divided by the expected batch size), by parameter name: to log or audit what a step releases.
+        They are copies, so the hook cannot change the step.  ``handle.remove()`` detaches it.  (The inner optimizer
+        itself may have no hooks: they would run inside the step, on whatever their code holds.)"""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        handle = RemovableHandle(self._release_hooks)
+        self._release_hooks[handle.id] = hook
+        return handle
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.guard.clear_gradient_state()
@@ -718,6 +833,11 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 return params, self._checked_report(params)
 
         try:
+            own = sorted(k for k, v in vars(self).items() if callable(v) and k != "step")  # step: a scheduler's wrapper
+            if own:
+                raise BoundError(f"methods set on the private optimizer itself ({', '.join(own)}): its checks, noise "
+                                 "and accounting are its class's, and one replaced on the instance would skip or "
+                                 "change them; delete them (del optimizer.<name>)")
             check_released_steps_(self.accountant, self._accounted)
             self.plan.check_budget(self.accountant.steps)
             if self.world_size == 1:
@@ -731,6 +851,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             # state, whichever check spoke
             restore_state_(model_state(self.bound_engine.model), self._released_state)
             put_back_optimizer_state_(self.original_optimizer, self._released_inner)
+            restore_state_(self._held(), self._released_held)
             raise
         finally:  # released or refused, the batches drawn so far are spent: the next step needs a new one
             if self._batches is not None:
@@ -775,8 +896,12 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 g.div_(self.expected_batch_size)  # type: ignore[union-attr]
         # Accounted as soon as the noisy gradient exists: the inner step consumes it into its state (momentum, Adam's
         # moments), which later released steps apply even if what follows here fails and the model is put back.
-        self.plan.account_step(self.accountant)
-        self._accounted = self.accountant.history
+        self._accounted = self.plan.account_step(self.accountant, self._accounted)  # whatever its step did
+        check_composed_(self.accountant, self._accounted)
+        if self._release_hooks:
+            for hook in list(self._release_hooks.values()):
+                hook({name: p.grad.detach().clone() for name, p in self.bound_engine.model.named_parameters()
+                      if p.grad is not None})
         self.original_optimizer.step()
         self._released_inner = snapshot_optimizer_state(self.original_optimizer)  # what later steps may build on
         self.bound_engine.project_()
@@ -790,6 +915,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
             else:  # the one-process call, as every PerStepMechanism implements it
                 clip.update_(self.expected_batch_size, self.generator, **secure)
         self._released_state = self._snapshot_released()  # stepped and projected (a noisy count may update a buffer)
+        self._released_held = snapshot_state(self._held())  # after the projection: a tensor may alias a weight
         self._steps_released += 1
         # the next step needs a new batch's backward (no zero_grad can be forgotten); its forward compares the
         # weights with the released copies (a copy that does not match is made again there)
@@ -853,6 +979,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         # a copy: torch keeps the given tensors as the live state, whose steps would then move the caller's dict
         self.original_optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self._released_inner = snapshot_optimizer_state(self.original_optimizer)
+        self._released_held = snapshot_state(self._held())
         resume_generator(self.generator, state["noise_generator"])
         if saved is not None and self.accountant.steps == 0:
             self.accountant.load_state_dict(saved)

@@ -1,0 +1,205 @@
+"""What the private step trusts of its own objects: the layers' cached certificates, their projection and state
+methods, the accountant's composition, the private optimizer's methods.  Each attack released a step with less
+noise than its bound, a weight moved by the raw gradient, or a step left out of epsilon before these checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import clipless as cl
+from clipless.privacy.certified import BoundError, CertifiedValueCache, certified_spectral_norm
+
+SHAPE = (6,)
+
+
+def _setup(width=8):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(96, *SHAPE, generator=gen)
+    data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (96,), generator=gen))
+    model = nn.Sequential(cl.LipschitzLinear(6, width), cl.MaxMin(), cl.LipschitzLinear(width, 3))
+    loss = cl.TauCrossEntropy(2.0)
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data=data, loss=loss, noise_multiplier=1.0, input_shape=SHAPE,
+                                             batch_size=16.0, input_bound=1.0)
+    return model, opt, loss, engine, loader
+
+
+def _backward(model, loss, loader):
+    bx, by = next(iter(loader))  # 16 rows expected of 96
+    loss.per_example(model(bx), by).sum().backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _step(model, opt, loss, loader):
+    opt.zero_grad()
+    _backward(model, loss, loader)
+    opt.step()
+
+
+# -- the certificate cache ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows, cols", [(8, 6), (6, 8), (3, 8), (1, 5), (40, 40)])
+@pytest.mark.parametrize("orthonormal", [True, False])
+def test_a_certificate_below_the_matrix_norm_is_refused_and_a_true_one_accepted(rows, cols, orthonormal):
+    torch.manual_seed(rows * cols)
+    w = torch.empty(rows, cols)
+    if orthonormal:
+        nn.init.orthogonal_(w)
+    else:
+        w.normal_()
+    cache = CertifiedValueCache()
+    true = certified_spectral_norm(w)
+    assert cache.put(w, None, true) == true and cache.get(w, None) == true
+    # orthonormal rows (what Björck keeps): any probe measures the norm itself; otherwise the probe's power
+    # iteration, one step per put, reaches the top direction over the steps of a run
+    for _ in range(0 if orthonormal else 40):
+        cache.put(w, None, true)
+    with pytest.raises(BoundError, match="not an upper bound"):
+        cache.put(w, None, true * (0.9999 if orthonormal else 0.999))
+    with pytest.raises(BoundError, match="not an upper bound"):
+        cache.put(w, None, float("nan"))
+    assert cache.get(w, None) == true  # the refused claims left the certificate as it was
+
+
+def test_writing_the_cache_attributes_changes_no_certificate():
+    """The certificate lives outside the cache object: ``cache._value = 0.3`` (the attack) sets a dead attribute."""
+    w = torch.empty(8, 6)
+    nn.init.orthogonal_(w)
+    cache = CertifiedValueCache()
+    value = cache.put(w, None, certified_spectral_norm(w))
+    for attr in ("_value", "value", "_tensor", "_key"):
+        setattr(cache, attr, 0.3)
+    assert cache.get(w, None) == value
+
+
+def test_a_copied_or_pickled_layer_keeps_its_certificate_and_a_forged_pickle_is_refused():
+    layer = cl.LipschitzLinear(6, 8)
+    layer.project_()
+    value = layer._norm_cache.get(layer.weight, None)
+    assert value is not None and value >= certified_spectral_norm(layer.weight) * (1 - 1e-6)
+    assert copy.deepcopy(layer)._norm_cache.get(layer.weight, None) == value
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded._norm_cache.get(loaded.weight, None) == value
+    state = layer._norm_cache.__getstate__()
+    forged = pickle.dumps(state)
+    cache = CertifiedValueCache()
+    claim = pickle.loads(forged)
+    claim["value"] = 0.3
+    with pytest.raises(BoundError, match="not an upper bound"):
+        cache.__setstate__(claim)
+
+
+def test_a_certificate_forged_in_a_layer_cache_never_reaches_the_noise():
+    model, opt, loss, engine, loader = _setup()
+    _step(model, opt, loss, loader)
+    honest = dict(opt.last_noise_std)
+    layer = model[0]
+    layer._norm_cache._value = 0.3  # the attack of this round: 3.3x less noise, accepted before
+    _step(model, opt, loss, loader)
+    assert opt.last_noise_std == pytest.approx(honest, rel=1e-5)  # the Björck certificate moves by ~1e-9 a step
+    with pytest.raises(BoundError, match="not an upper bound"):
+        layer._norm_cache.put(layer.weight, None, 0.3)
+    _step(model, opt, loss, loader)
+    assert opt.last_noise_std == pytest.approx(honest, rel=1e-5) and engine.accountant.steps == 3
+
+
+# -- a layer's methods set on the instance --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["project_", "set_extra_state", "get_extra_state", "_load_from_state_dict"])
+def test_a_layer_method_set_on_the_instance_is_refused_before_it_runs(method):
+    """``layer.project_ = f`` ran ``f`` inside the private step after its checks (it added the raw gradient to the
+    weight in the attack); ``set_extra_state`` decides the certificate a resume puts back."""
+    model, opt, loss, engine, loader = _setup()
+    _step(model, opt, loss, loader)
+    layer, ran = model[0], []
+    setattr(layer, method, lambda *args, **kwargs: ran.append(method))
+    opt.zero_grad()
+    _backward(model, loss, loader)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(BoundError, match=f"has its own {method}"):
+        opt.step()
+    assert not ran and engine.accountant.steps == 1
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+    delattr(layer, method)
+    _step(model, opt, loss, loader)
+    assert engine.accountant.steps == 2
+
+
+@pytest.mark.parametrize("method", ["set_extra_state", "_load_from_state_dict"])
+def test_a_layer_state_method_replaced_on_the_class_is_refused(method):
+    model, opt, loss, engine, loader = _setup()
+    _step(model, opt, loss, loader)
+    cls = type(model[0])
+    original = cls.__dict__.get(method)
+    setattr(cls, method, lambda self, *args, **kwargs: None)
+    try:
+        opt.zero_grad()
+        with pytest.raises(BoundError, match=f"its class's {method} changed"):
+            _backward(model, loss, loader)
+            opt.step()
+        assert engine.accountant.steps == 1
+    finally:
+        if original is None:
+            delattr(cls, method)
+        else:
+            setattr(cls, method, original)
+    _step(model, opt, loss, loader)
+    assert engine.accountant.steps == 2
+
+
+# -- the accountant and the private optimizer -----------------------------------------------------------------------
+
+def test_a_method_set_on_the_accountant_is_refused_and_the_step_still_counted():
+    model, opt, loss, engine, loader = _setup()
+    _step(model, opt, loss, loader)
+    accountant = opt.accountant
+    with pytest.raises(AttributeError, match="methods are its class's"):
+        accountant.step = lambda *args, **kwargs: None
+    accountant.__dict__["step"] = lambda *args, **kwargs: None  # past the guard: the attack of this round
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    _backward(model, loss, loader)
+    with pytest.raises(BoundError, match="did not compose the released step"):
+        opt.step()
+    assert accountant.steps == 2  # accounted all the same (its noise was drawn), and nothing released
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+    del accountant.__dict__["step"]
+    accountant.__dict__["get_epsilon"] = lambda delta: 0.0  # composes right, reports wrong: refused too
+    opt.zero_grad()
+    _backward(model, loss, loader)
+    with pytest.raises(BoundError, match="did not compose the released step"):
+        opt.step()
+    del accountant.__dict__["get_epsilon"]
+    _step(model, opt, loss, loader)
+    assert accountant.steps == 4 and accountant.history == [(1.0, 16 / 96, 4)]
+
+
+@pytest.mark.parametrize("method", ["_checked_report", "_release", "_check_one_new_batch"])
+def test_a_method_set_on_the_private_optimizer_is_refused(method):
+    model, opt, loss, engine, loader = _setup()
+    _step(model, opt, loss, loader)
+    ran = []
+    opt.__dict__[method] = lambda *args, **kwargs: ran.append(method)
+    opt.zero_grad()
+    _backward(model, loss, loader)
+    with pytest.raises(BoundError, match=f"methods set on the private optimizer itself \\({method}\\)"):
+        opt.step()
+    assert not ran and engine.accountant.steps == 1
+    del opt.__dict__[method]
+    _step(model, opt, loss, loader)
+    assert engine.accountant.steps == 2
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # a scheduler's wrapper of step() is no such method
+    _step(model, opt, loss, loader)
+    assert engine.accountant.steps == 3
