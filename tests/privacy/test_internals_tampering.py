@@ -203,3 +203,53 @@ def test_a_method_set_on_the_private_optimizer_is_refused(method):
     torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # a scheduler's wrapper of step() is no such method
     _step(model, opt, loss, loader)
     assert engine.accountant.steps == 3
+
+
+@pytest.mark.parametrize("stride, padding, mode, operator_norm", [(1, "same", "zeros", "reshaped"),
+                                                                  (1, "same", "circular", "fft"),
+                                                                  (2, 1, "zeros", "reshaped"), (2, 0, "zeros", "fft"),
+                                                                  (1, 0, "circular", "reshaped")])
+def test_a_convolution_certificate_is_checked_from_below_by_the_convolution_itself(stride, padding, mode,
+                                                                                   operator_norm):
+    """The measured norm stays below the exact operator norm (the dense matrix of the map), reaches it within the
+    steps of a run, and a claim below it is refused; a true certificate never is."""
+    torch.manual_seed(stride * 7 + len(mode))
+    conv = cl.LipschitzConv2d(3, 5, 3, stride=stride, padding=padding, padding_mode=mode,
+                              operator_norm=operator_norm)
+    with torch.no_grad():
+        conv.weight.normal_()
+    key = (operator_norm, (9, 9))
+    for _ in range(40):
+        value = conv.certified_lipschitz((3, 9, 9))
+        assert conv._norm_cache.put(conv.weight, key, value) == value
+    eye = torch.eye(3 * 81, dtype=torch.float64).reshape(-1, 3, 9, 9)
+    kernel = conv.weight.detach().double()
+    ph, pw = conv.padding
+    out = (torch.nn.functional.conv2d(torch.nn.functional.pad(eye, (pw, pw, ph, ph), mode="circular"), kernel,
+                                      stride=stride) if mode == "circular"
+           else torch.nn.functional.conv2d(eye, kernel, stride=stride, padding=conv.padding))
+    exact = torch.linalg.matrix_norm(out.reshape(3 * 81, -1), 2).item()
+    assert value >= exact * (1 - 1e-9)
+    with pytest.raises(BoundError, match="not an upper bound"):
+        conv._norm_cache.put(conv.weight, key, exact * 0.99)
+    assert conv._norm_cache.get(conv.weight, key) == value
+
+
+def test_a_layers_cache_cannot_be_replaced_by_one_that_checks_nothing():
+    conv = cl.LipschitzConv2d(3, 4, 3)
+    with pytest.raises(AttributeError, match="declared constant"):
+        conv._norm_cache = CertifiedValueCache()
+    model = nn.Sequential(conv, cl.MaxMin(), nn.Flatten(), cl.LipschitzLinear(4 * 36, 3))
+    data = cl.ArrayDataset(torch.rand(48, 3, 6, 6) / 18, torch.randint(0, 3, (48,)))
+    loss = cl.TauCrossEntropy(2.0)
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data=data, loss=loss, noise_multiplier=1.0, input_shape=(3, 6, 6),
+                                             batch_size=8.0, input_bound=1.0)
+    _step(model, opt, loss, loader)
+    conv.__dict__["_norm_cache"] = CertifiedValueCache()  # past the guard: refused at the forward
+    opt.zero_grad()
+    with pytest.raises(BoundError, match="_norm_cache"):
+        _backward(model, loss, loader)
+        opt.step()
+    assert engine.accountant.steps == 1

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,8 @@ from ..privacy.certified import (
     BoundError,
     CertifiedValueCache,
     certified_spectral_norm,
+    power_step,
+    start_probe,
     whole_number,
 )
 from ..privacy.modules import BoundedModule, LayerBound
@@ -47,7 +50,7 @@ class LipschitzConv2d(BoundedModule):
     runs_convolutions = True  # the input guard checks that float32 convolutions are IEEE (not TF32)
 
     constants = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "padding_mode", "operator_norm",
-                 "projection", "bias_bound", "overlap")
+                 "projection", "bias_bound", "overlap", "_norm_cache")
 
     def __init__(
         self,
@@ -93,7 +96,10 @@ class LipschitzConv2d(BoundedModule):
         with torch.no_grad():
             self.weight.div_(math.sqrt(self.overlap))
         self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
-        self._norm_cache = CertifiedValueCache()
+        # each certificate is checked from below by this very convolution (a plain function of the settings: the cache
+        # must not hold the layer); "_norm_cache" is a declared constant, so no cache without it can replace this one
+        self._norm_cache = CertifiedValueCache(functools.partial(
+            _measured_operator_norm, stride=stride, padding=pad, circular=padding_mode == "circular"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._spatial = (int(x.shape[-2]), int(x.shape[-1]))
@@ -327,6 +333,25 @@ def fft_operator_norm(kernel: torch.Tensor, in_shape: Tuple[int, ...], padding: 
         out_h, out_w = (h + 2 * ph - kh) // st + 1, (w + 2 * pw - kw) // st + 1
         repeats = _max_repeats(h, out_h, st) * _max_repeats(w, out_w, st)
     return norm * math.sqrt(repeats) * (1 + 1e-7)
+
+
+def _measured_operator_norm(kernel: torch.Tensor, key: Any, probe: Optional[torch.Tensor], stride: int,
+                            padding: Tuple[int, int], circular: bool) -> Tuple[float, Optional[torch.Tensor]]:
+    """A lower bound on the operator norm of the convolution by ``kernel`` on inputs of ``key``'s spatial shape
+    (:data:`~clipless.privacy.certified.Measure`; key ``(mode, (H, W))``): ``||A x|| / ||x||`` in float64, for the
+    probe ``x`` that one power-iteration step per call (``x <- A^T A x``) moves to the top direction."""
+    shape = key[1] if isinstance(key, tuple) and len(key) == 2 else None
+    if not (isinstance(shape, tuple) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
+        return 0.0, None  # a key no bound reads: nothing to check
+    k = kernel.detach().to(torch.float64)
+    x = start_probe((1, k.shape[1]) + shape, probe, k.device).detach().requires_grad_(True)
+    ph, pw = padding
+    with torch.enable_grad():
+        y = (F.conv2d(F.pad(x, (pw, pw, ph, ph), mode="circular"), k, stride=stride) if circular
+             else F.conv2d(x, k, stride=stride, padding=padding))
+        (back,) = torch.autograd.grad(y, x, y)
+    x_norm = float(torch.linalg.vector_norm(x.detach()))
+    return power_step(float(torch.linalg.vector_norm(y.detach())) / x_norm if x_norm > 0 else 0.0, back)
 
 
 def _overlap(in_shape: Tuple[int, ...], kernel_size: Tuple[int, int], stride: int, padding: Tuple[int, int],

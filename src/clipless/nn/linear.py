@@ -35,7 +35,7 @@ class LipschitzLinear(BoundedModule):
     so a step certifies each weight once.
     """
 
-    constants = ("in_features", "out_features", "projection", "bias_bound")
+    constants = ("in_features", "out_features", "projection", "bias_bound", "_norm_cache")
 
     def __init__(
         self,

@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 __all__ = ["CERT_MARGIN", "UNDERFLOW_MARGIN", "BoundError", "certified_spectral_norm", "certified_norm",
-           "bjorck_residual", "certified_bjorck_step", "CertifiedValueCache", "ieee_matmul", "ieee_convolutions",
+           "bjorck_residual", "certified_bjorck_step", "CertifiedValueCache", "Measure", "measured_matrix_norm",
+           "start_probe", "power_step", "ieee_matmul", "ieee_convolutions",
            "is_real", "is_whole", "whole_number", "check_flag"]
 
 # Relative safety margin applied to norms computed in float64 from float32
@@ -254,16 +255,22 @@ def certified_bjorck_step(matrix: torch.Tensor, residual: Optional[torch.Tensor]
     return result, (1.0 + slack) * CERT_MARGIN
 
 
-class _Entry:
-    """What a cache holds (kept in :data:`_HELD`, not on the cache): the tensor's copy, the key, the value, and the
-    probe of the power iteration that checks each value of a matrix from below."""
+# ``measure(tensor, key, probe) -> (lower, next_probe)``: a lower bound on the operator norm that a value put for
+# ``tensor`` and ``key`` certifies, from one step of power iteration on ``probe`` (``None``: start afresh).
+Measure = Callable[[torch.Tensor, Any, Optional[torch.Tensor]], Tuple[float, Optional[torch.Tensor]]]
 
-    __slots__ = ("tensor", "key", "value", "probe")
+
+class _Entry:
+    """What a cache holds (kept in :data:`_HELD`, not on the cache): the tensor's copy, the key, the value, how a
+    value is checked from below, and that check's probe."""
+
+    __slots__ = ("tensor", "key", "value", "measure", "probe")
 
     def __init__(self) -> None:
         self.tensor: Optional[torch.Tensor] = None
         self.key: Any = None
         self.value = 0.0
+        self.measure: Optional[Measure] = None
         self.probe: Optional[torch.Tensor] = None
 
 
@@ -277,33 +284,45 @@ _HELD: "weakref.WeakKeyDictionary[CertifiedValueCache, _Entry]" = weakref.WeakKe
 _BELOW_MEASURED = 1e-6
 
 
-def _measured_norm(matrix: torch.Tensor, entry: _Entry) -> float:
-    """A lower bound on ``||matrix||_2``: ``||W^T u|| / ||u||`` for the probe ``u`` on the smaller side (one step of
-    power iteration from the previous value's probe, so it tracks the top singular vector as the weights move).  For
+def start_probe(shape: Tuple[int, ...], probe: Optional[torch.Tensor], device: Any) -> torch.Tensor:
+    """``probe`` where it has ``shape`` (float64, on ``device``), else a fixed Gaussian start."""
+    if probe is not None and tuple(probe.shape) == tuple(shape) and probe.device == torch.device(device):
+        return probe
+    return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def power_step(measured: float, back: torch.Tensor) -> Tuple[float, Optional[torch.Tensor]]:
+    """``measured`` (0 where not finite) and the next probe, ``back`` (``A^T A x``) normalized."""
+    norm = float(torch.linalg.vector_norm(back))
+    nxt = back / norm if math.isfinite(norm) and norm > 0 else None
+    return (measured if math.isfinite(measured) else 0.0), nxt
+
+
+def measured_matrix_norm(matrix: torch.Tensor, key: Any, probe: Optional[torch.Tensor]
+                         ) -> Tuple[float, Optional[torch.Tensor]]:
+    """A lower bound on ``||matrix||_2`` (:data:`Measure`): ``||W^T u|| / ||u||`` for the probe ``u`` on the smaller
+    side, in float64; the next probe is ``W W^T u``, so it tracks the top singular vector as the weights move.  For
     orthonormal rows (Björck), any ``u`` gives the norm itself."""
     w = matrix.detach().to(torch.float64)
     if w.shape[0] > w.shape[1]:
         w = w.T
-    u = entry.probe
-    if u is None or u.shape != (w.shape[0],) or u.device != w.device:
-        u = torch.randn(w.shape[0], dtype=w.dtype, generator=torch.Generator().manual_seed(0)).to(w.device)
+    u = start_probe((w.shape[0],), probe, w.device)
     v = w.T @ u
     u_norm = float(torch.linalg.vector_norm(u))
-    measured = float(torch.linalg.vector_norm(v)) / u_norm if u_norm > 0 else 0.0
-    nxt = w @ v
-    nxt_norm = float(torch.linalg.vector_norm(nxt))
-    entry.probe = nxt / nxt_norm if math.isfinite(nxt_norm) and nxt_norm > 0 else None
-    return measured if math.isfinite(measured) else 0.0
+    return power_step(float(torch.linalg.vector_norm(v)) / u_norm if u_norm > 0 else 0.0, w @ v)
 
 
 class CertifiedValueCache:
     """A certified value remembered for one exact tensor and key.
 
     Any change of the tensor (compared element by element, so in-place updates through ``.data``
-    are seen too) or of the key invalidates it: a cached bound is never used for other weights.  The value of a
-    matrix (a dense weight, key ``None``) is checked from below when it is put: one below the matrix's measured
-    norm (:func:`_measured_norm`) is no certificate of it, and is refused.
+    are seen too) or of the key invalidates it: a cached bound is never used for other weights.  A value is checked
+    from below when it is put, by ``measure`` (given by the layer at construction; for a matrix by default
+    :func:`measured_matrix_norm`): one below the operator's measured norm is no certificate of it, and is refused.
     """
+
+    def __init__(self, measure: Optional[Measure] = None) -> None:
+        self._entry().measure = measure
 
     def _entry(self) -> _Entry:
         entry = _HELD.get(self)
@@ -312,17 +331,19 @@ class CertifiedValueCache:
         return entry
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "CertifiedValueCache":  # a copied layer copies its certificate
-        copied = CertifiedValueCache()
-        entry, new = self._entry(), copied._entry()
+        entry = self._entry()
+        copied = CertifiedValueCache(entry.measure)
+        new = copied._entry()
         new.tensor = None if entry.tensor is None else entry.tensor.clone()
         new.key, new.value = copy.deepcopy(entry.key, memo), entry.value
         return copied
 
     def __getstate__(self) -> Dict[str, Any]:  # pickled with its layer (torch.save of a whole model)
         entry = self._entry()
-        return {"tensor": entry.tensor, "key": entry.key, "value": entry.value}
+        return {"tensor": entry.tensor, "key": entry.key, "value": entry.value, "measure": entry.measure}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        self._entry().measure = state.get("measure")
         tensor, key, value = state.get("tensor"), state.get("key"), state.get("value", 0.0)
         if isinstance(tensor, torch.Tensor) and is_real(value):
             self.put(tensor, key, float(value))  # checked as any other value put
@@ -337,10 +358,11 @@ class CertifiedValueCache:
     def put(self, tensor: torch.Tensor, key: Any, value: float) -> float:
         entry = self._entry()
         value = float(value)
-        if tensor.dim() == 2 and tensor.is_floating_point() and tensor.numel():
-            measured = _measured_norm(tensor, entry)
+        measure = entry.measure or (measured_matrix_norm if tensor.dim() == 2 else None)
+        if measure is not None and tensor.is_floating_point() and tensor.numel():
+            measured, entry.probe = measure(tensor, key, entry.probe)
             if not value >= measured * (1 - _BELOW_MEASURED):  # "not >=": a NaN value is refused too
-                raise BoundError(f"a certificate {value:.6g} was put for a weight matrix whose norm is at least "
+                raise BoundError(f"a certificate {value:.6g} was put for a weight whose operator norm is at least "
                                  f"{measured:.6g}: it is not an upper bound (a cached certificate set by hand?); the "
                                  "layers' certificates come from their own projection and bound computations only")
         entry.tensor, entry.key, entry.value = tensor.detach().clone(), key, value
