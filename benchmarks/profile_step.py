@@ -91,19 +91,22 @@ def phases(model_name: str, batch: int, device: str, steps: int) -> dict:
     plain = run(model, opt.zero_grad, {"adam": opt.step, "projection": engine.project_})
 
     model, opt = build()
-    model, dp, _ = cl.PrivacyEngine().make_private(
-        module=model, optimizer=opt, data=cl.ArrayDataset(x.cpu(), y.cpu()), loss=loss, noise_multiplier=1.0,
-        input_shape=shape, batch_size=batch / 2, input_bound=bound, external_batches=True)
     parts: dict = {}  # inside step(), filled by the wrappers
-    dp._checked_report = _timed(parts, "step: checks and certified bounds", dp._checked_report)
-    noise = private_optimizer.add_noise_
-    private_optimizer.add_noise_ = _timed(parts, "step: noise", noise)
-    dp.original_optimizer.step = _timed(parts, "step: adam", dp.original_optimizer.step)
-    dp.bound_engine.project_ = _timed(parts, "step: projection", dp.bound_engine.project_)
+    # installed before make_private: the private step refuses its own code replaced after it
+    wrapped = [(private_optimizer.DPOptimizer, "_checked_report", "step: checks and certified bounds"),
+               (private_optimizer, "add_noise_", "step: noise"), (cl.BoundEngine, "project_", "step: projection")]
+    originals = [(owner, name, vars(owner)[name]) for owner, name, _ in wrapped]
+    for owner, name, label in wrapped:
+        setattr(owner, name, _timed(parts, label, vars(owner)[name]))
+    opt.step = _timed(parts, "step: adam", opt.step)
     try:
+        model, dp, _ = cl.PrivacyEngine().make_private(
+            module=model, optimizer=opt, data=cl.ArrayDataset(x.cpu(), y.cpu()), loss=loss, noise_multiplier=1.0,
+            input_shape=shape, batch_size=batch / 2, input_bound=bound, external_batches=True)
         private = {**run(model, dp.zero_grad, {"step": dp.step}), **parts}
     finally:
-        private_optimizer.add_noise_ = noise
+        for owner, name, original in originals:
+            setattr(owner, name, original)
     measured = medians(private)
     order = ("zero_grad", "forward", "backward", "step", "step: checks and certified bounds", "step: noise",
              "step: adam", "step: projection")

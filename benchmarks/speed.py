@@ -118,8 +118,12 @@ def _build(method: str, model_name: str, batch: int, device: str):
             secure_noise=method == "secure",
         )
         if method == "unguarded":
+            import clipless.privacy.optimizer as private_optimizer
+
             dp_opt.guard.remove()
             dp_opt.guard = _NoChecks(dp_opt.guard)
+            # the stand-in's callables become the step's own (the step refuses methods set on its objects later)
+            dp_opt.__dict__["_methods"] = private_optimizer._instance_methods(dp_opt)
 
         def step() -> None:
             dp_opt.zero_grad()

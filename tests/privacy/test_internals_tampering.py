@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import clipless as cl
+from clipless.privacy.accounting import check_composed_, extended_history
 from clipless.privacy.certified import BoundError, CertifiedValueCache, certified_spectral_norm
 
 SHAPE = (6,)
@@ -161,29 +162,62 @@ def test_a_layer_state_method_replaced_on_the_class_is_refused(method):
 
 # -- the accountant and the private optimizer -----------------------------------------------------------------------
 
-def test_a_method_set_on_the_accountant_is_refused_and_the_step_still_counted():
+def test_a_method_set_on_the_accountant_is_refused_before_the_step():
     model, opt, loss, engine, loader = _setup()
     _step(model, opt, loss, loader)
     accountant = opt.accountant
     with pytest.raises(AttributeError, match="methods are its class's"):
         accountant.step = lambda *args, **kwargs: None
-    accountant.__dict__["step"] = lambda *args, **kwargs: None  # past the guard: the attack of this round
-    weights = [p.detach().clone() for p in model.parameters()]
-    opt.zero_grad()
-    _backward(model, loss, loader)
-    with pytest.raises(BoundError, match="did not compose the released step"):
-        opt.step()
-    assert accountant.steps == 2  # accounted all the same (its noise was drawn), and nothing released
-    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
-    del accountant.__dict__["step"]
-    accountant.__dict__["get_epsilon"] = lambda delta: 0.0  # composes right, reports wrong: refused too
-    opt.zero_grad()
-    _backward(model, loss, loader)
-    with pytest.raises(BoundError, match="did not compose the released step"):
-        opt.step()
-    del accountant.__dict__["get_epsilon"]
+    for name in ("step", "get_epsilon"):  # composes nothing; composes right but reports wrong
+        accountant.__dict__[name] = lambda *args, **kwargs: None  # past the guard: the attack of this round
+        weights = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        _backward(model, loss, loader)
+        with pytest.raises(BoundError, match=f"own objects \\(the accountant's {name}\\)"):
+            opt.step()
+        assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+        del accountant.__dict__[name]
     _step(model, opt, loss, loader)
-    assert accountant.steps == 4 and accountant.history == [(1.0, 16 / 96, 4)]
+    assert accountant.steps == 2 and accountant.history == [(1.0, 16 / 96, 2)]
+
+
+def test_a_step_the_accountant_did_not_compose_is_put_back_and_refused():
+    """The check after each release: the history must be exactly the planned extension of the one before."""
+    accountant = cl.PrivacyAccountant("rdp")
+    accountant.step(1.0, 0.1, 3)
+    expected = [(1.0, 0.1, 4)]
+    with pytest.raises(BoundError, match="did not compose the released step"):
+        check_composed_(accountant, expected)
+    assert accountant.history == expected
+    check_composed_(accountant, expected)  # now it holds it
+    assert extended_history(expected, 1.0, 0.1) == [(1.0, 0.1, 5)]
+    assert extended_history(expected, 2.0, 0.1) == [(1.0, 0.1, 4), (2.0, 0.1, 1)]
+    accountant.step(2.0, 0.1)
+    assert accountant.history == extended_history(expected, 2.0, 0.1)
+
+
+def test_a_function_or_class_of_the_privacy_core_replaced_after_make_private_is_refused():
+    """``clipless.privacy.noise.gaussian = zeros`` (or ``optimizer.add_noise_``) released the raw gradient."""
+    import clipless.privacy.noise as noise_module
+    import clipless.privacy.optimizer as optimizer_module
+    model, opt, loss, engine, loader = _setup()
+    _step(model, opt, loss, loader)
+    for owner, name, fake in [(noise_module, "gaussian", lambda shape, *a, **k: torch.zeros(shape)),
+                              (optimizer_module, "add_noise_", lambda *a, **k: {}),
+                              (cl.PrivacyAccountant, "step", lambda *a, **k: None),
+                              (optimizer_module.DPOptimizer, "_checked_report", lambda *a, **k: None)]:
+        original = vars(owner)[name]
+        setattr(owner, name, fake)
+        try:
+            opt.zero_grad()
+            with pytest.raises(BoundError, match=f"{name} was replaced after make_private"):
+                _backward(model, loss, loader)
+                opt.step()
+        finally:
+            setattr(owner, name, original)
+        assert engine.accountant.steps == 1
+    _step(model, opt, loss, loader)
+    assert engine.accountant.steps == 2
 
 
 @pytest.mark.parametrize("method", ["_checked_report", "_release", "_check_one_new_batch"])
@@ -194,7 +228,7 @@ def test_a_method_set_on_the_private_optimizer_is_refused(method):
     opt.__dict__[method] = lambda *args, **kwargs: ran.append(method)
     opt.zero_grad()
     _backward(model, loss, loader)
-    with pytest.raises(BoundError, match=f"methods set on the private optimizer itself \\({method}\\)"):
+    with pytest.raises(BoundError, match=f"own objects \\(the private optimizer's {method}\\)"):
         opt.step()
     assert not ran and engine.accountant.steps == 1
     del opt.__dict__[method]

@@ -292,23 +292,32 @@ class FunctionNamespaces:
     ``F``), or a name added to a module that shadows a builtin or to ``torch.Tensor`` (shadowing a method of its
     base), is a change; other additions (torch's lazily loaded attributes) and plain values set are not."""
 
-    def __init__(self, layer_modules: Sequence[str] = ()) -> None:
+    def __init__(self, layer_modules: Sequence[str] = (), step_code: bool = False) -> None:
         # torch replaces torch.manual_seed by a wrapper when dynamo is first imported, which the first torch.optim
         # optimizer does: imported here, that happens before the snapshot instead of after it, where it would be
         # refused as a replaced function at the next forward.
         import torch._dynamo  # noqa: F401
 
-        names = [n for n in _FUNCTION_NAMESPACES if n in sys.modules]
-        names += sorted(n for n in list(sys.modules) if n == "clipless.nn" or n.startswith("clipless.nn."))
-        # the torch modules defining the model's torch layers (nn.ReLU reads F from torch.nn.modules.activation)
-        names += sorted({n for n in layer_modules if n.startswith("torch.") and n in sys.modules} - set(names))
-        self._layer_modules = tuple(layer_modules)
+        self._layer_modules, self._step_code = tuple(layer_modules), step_code
+        if step_code:  # the privacy core's own modules and classes: the step's checks, noise and accounting
+            core = sorted(n for n in list(sys.modules) if n.startswith("clipless.privacy."))
+            classes = [(f"{n}.{k}", v) for n in core for k, v in sorted(vars(sys.modules[n]).items())
+                       if isinstance(v, type) and v.__module__ == n]
+            names = [n for n in core if n not in _FUNCTION_NAMESPACES]  # those the bounds' snapshot compares
+        else:
+            names = [n for n in _FUNCTION_NAMESPACES if n in sys.modules]
+            names += sorted(n for n in list(sys.modules) if n == "clipless.nn" or n.startswith("clipless.nn."))
+            # the torch modules defining the model's torch layers (nn.ReLU reads F from torch.nn.modules.activation)
+            names += sorted({n for n in layer_modules if n.startswith("torch.") and n in sys.modules} - set(names))
+            classes = [("torch.Tensor", torch.Tensor)]
         self._spaces: List[Tuple[str, Any]] = [(n, vars(sys.modules[n])) for n in names]
-        self._spaces.append(("torch.Tensor", vars(torch.Tensor)))
+        self._spaces += [(name, vars(cls)) for name, cls in classes]
+        # every entry of a class, and of the privacy core's modules (they rebind no global): a replaced object too
+        self._classes = frozenset(name for name, _ in self._spaces) if step_code else frozenset(n for n, _ in classes)
         self._seen = [dict(space) for _, space in self._spaces]
-        # functions, classes and modules (a layer's module's `F` swapped for another module is a change too); of
-        # torch.Tensor every entry (its __torch_function__ is a classmethod, which is not callable)
-        self._callables = [dict(seen) if name == "torch.Tensor" else
+        # functions, classes and modules (a layer's module's `F` swapped for another module is a change too); of a
+        # class every entry (torch.Tensor's __torch_function__ is a classmethod, which is not callable; a property)
+        self._callables = [dict(seen) if name in self._classes else
                            {k: v for k, v in seen.items() if callable(v) or isinstance(v, types.ModuleType)}
                            for (name, _), seen in zip(self._spaces, self._seen)]
         self._builtins = frozenset(k for k, v in vars(sys.modules["builtins"]).items() if callable(v))
@@ -325,7 +334,7 @@ class FunctionNamespaces:
                 if space.get(key) is not fn:
                     return f"{name}.{key}"
             for key in set(space) - set(self._seen[i]):
-                if callable(space[key]) and (name == "torch.Tensor" or key in self._builtins):
+                if callable(space[key]) and (name in self._classes or key in self._builtins):
                     return f"{name}.{key}"
             self._seen[i] = dict(space)  # only lazy attributes or plain values changed: compare with them from now
         return None
@@ -349,7 +358,7 @@ class FunctionNamespaces:
         return self  # it describes the interpreter's namespaces, which a copy of a run shares
 
     def __reduce__(self) -> Any:
-        return (FunctionNamespaces, (self._layer_modules,))
+        return (FunctionNamespaces, (self._layer_modules, self._step_code))
 
 
 def torch_layer_bound(module: nn.Module, x_bound: float, in_shape: Sequence[int]) -> Optional[LayerBound]:

@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .accounting import (PrivacyAccountant, bind_accountant, check_composed_, check_composed_at,
                          check_nothing_released, check_released_steps_)
-from .bounds import BoundEngine, BoundReport, plain_tensors
+from .bounds import BoundEngine, BoundReport, FunctionNamespaces, plain_tensors
 from .calibration import NoisePlan
 from .certified import BoundError, check_flag, whole_number
 from .distributed import all_reduce_sum_, same_outcome_on_all_ranks, world
@@ -39,6 +39,34 @@ from .sampling import PoissonDataLoader
 __all__ = ["DPOptimizer", "model_state", "attribute_tensors", "snapshot_state", "changed_state", "restore_state_",
            "put_back_changes_", "state_digests", "check_fresh_optimizer", "snapshot_optimizer_state",
            "put_back_optimizer_state_"]
+
+
+def _instance_methods(opt: "DPOptimizer") -> Tuple[Tuple[str, str, Any], ...]:
+    """The callables set on the instances the step runs (the step guard's callbacks, the engine's model and loss),
+    by owner and name; a scheduler's wrapper of the optimizer's ``step`` excepted."""
+    owners = (("the private optimizer", opt), ("the step guard", opt.guard), ("the bound engine", opt.bound_engine),
+              ("the noise plan", opt.plan), ("the accountant", opt.accountant))
+    return tuple((owner, name, value) for owner, obj in owners for name, value in sorted(vars(obj).items())
+                 if callable(value) and not (obj is opt and name == "step"))
+
+
+def _tampered(opt: "DPOptimizer") -> Optional[str]:
+    """Why the step's own code is not what ``make_private`` set up, or ``None``: a function or class of the privacy
+    core replaced (``clipless.privacy.noise.gaussian = ...``), or a method set on one of the step's objects
+    (``optimizer._checked_report = ...``, ``optimizer.guard.check_step = ...``).  A module function so that no
+    instance attribute can stand in for it."""
+    own_code = opt.__dict__.get("own_code")
+    replaced = own_code.change() if isinstance(own_code, FunctionNamespaces) else "the private optimizer's own_code"
+    if replaced is not None:
+        return (f"{replaced} was replaced after make_private (assigned in the privacy core's namespace or on one of "
+                "its classes): the private step's checks, noise and accounting run that code; put the original back")
+    now, then = _instance_methods(opt), opt.__dict__.get("_methods")
+    if now != then:
+        added = sorted({f"{owner}'s {name}" for owner, name, value in now} ^
+                       {f"{owner}'s {name}" for owner, name, value in (then or ())}) or ["a replaced callable"]
+        return (f"methods set on the private step's own objects ({', '.join(added[:4])}): its checks, noise and "
+                "accounting are its classes', and one set on an instance would skip or change them; delete them")
+    return None
 
 
 # The private optimizer that steps each model now: a later make_private of the model retires the earlier one.
@@ -286,7 +314,8 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
     # or generator would draw or count other noise than the run reports); each step also checks them against the
     # values frozen at construction (a write to the instance's __dict__ passes the read-only guard).
     constants = ("original_optimizer", "bound_engine", "plan", "expected_batch_size", "sample_rate", "accountant",
-                 "step_mechanisms", "augmentation_multiplicity", "generator", "secure_noise", "rank", "world_size")
+                 "step_mechanisms", "augmentation_multiplicity", "generator", "secure_noise", "rank", "world_size",
+                 "own_code")
 
     def __init__(
         self,
@@ -382,6 +411,9 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
         self._retired = False
         self._release_hooks: "OrderedDict[int, Callable[[Dict[str, torch.Tensor]], Any]]" = OrderedDict()
+        # the privacy core's modules and classes as make_private found them (a declared constant)
+        self.own_code = FunctionNamespaces(step_code=True)
+        self._methods = _instance_methods(self)
         self._frozen = self._settings()
         _LATEST[bound_engine.model] = weakref.ref(self)
 
@@ -455,7 +487,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                                      "composing)")
 
     def _settings_change(self) -> Optional[str]:
-        hooked = hooks_refused(self.original_optimizer)  # a hook added after make_private
+        hooked = hooks_refused(self.original_optimizer) or _tampered(self)  # added after make_private
         if hooked is not None:
             return hooked
         if step_functions(self.original_optimizer) != self._inner_steps:
@@ -833,11 +865,9 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                 return params, self._checked_report(params)
 
         try:
-            own = sorted(k for k, v in vars(self).items() if callable(v) and k != "step")  # step: a scheduler's wrapper
-            if own:
-                raise BoundError(f"methods set on the private optimizer itself ({', '.join(own)}): its checks, noise "
-                                 "and accounting are its class's, and one replaced on the instance would skip or "
-                                 "change them; delete them (del optimizer.<name>)")
+            tampered = _tampered(self)
+            if tampered is not None:
+                raise BoundError(tampered)
             check_released_steps_(self.accountant, self._accounted)
             self.plan.check_budget(self.accountant.steps)
             if self.world_size == 1:
