@@ -764,6 +764,29 @@ def test_an_accountant_step_replaced_on_the_pretrainers_accountant_is_refused_an
     del t.accountant.__dict__["step"]
 
 
+def test_the_pretrainers_noise_replaced_after_it_was_built_is_refused(monkeypatch) -> None:
+    """``clipless.contrastive.pretrain.add_gaussian_noise_ = ...`` (or the privacy core's noise) after the
+    pre-trainer was built released the clipped gradient sum without noise; and its optimizer may have no hooks."""
+    import clipless.contrastive.pretrain as pretrain_module
+    import clipless.privacy.noise as noise_module
+
+    for owner, name in ((pretrain_module, "add_gaussian_noise_"), (noise_module, "gaussian")):
+        t = _trainer("logit_dp", epochs=1)
+        monkeypatch.setattr(owner, name, lambda *args, **kwargs: None)
+        with pytest.raises(ValueError, match=f"{name} was replaced after the pre-trainer was built"):
+            t.fit()
+        assert t.accountant.steps == 0
+        monkeypatch.undo()
+    t = _trainer("logit_dp", epochs=1)
+    handle = t.optimizer.register_step_post_hook(lambda *args: None)
+    with pytest.raises(ValueError, match="has hooks"):
+        t.fit()
+    assert t.accountant.steps == 0
+    handle.remove()
+    t.fit()
+    assert t.accountant.steps > 0
+
+
 def test_the_training_pairs_swapped_in_as_eval_pairs_are_refused() -> None:
     """``t.eval_pairs = t.pairs`` after construction (past ``check_held_out``) logged the training pairs' loss
     without noise as the held-out loss. The pairs are declared constants, checked before a held-out loss."""

@@ -24,7 +24,8 @@ from ..privacy.accounting import (PrivacyAccountant, bind_accountant, check_acco
 from ..privacy.calibration import NoisePlan, plan_noise, planned_steps
 from ..privacy.certified import check_flag, whole_number
 from ..privacy.noise import add_gaussian_noise_, check_secure_flag
-from ..privacy.optimizer import (changed_state, check_fresh_optimizer, model_state, put_back_changes_,
+from ..privacy.bounds import FunctionNamespaces
+from ..privacy.optimizer import (changed_state, check_fresh_optimizer, hooks_refused, model_state, put_back_changes_,
                                  put_back_optimizer_state_, restore_state_, snapshot_optimizer_state, snapshot_state)
 from ..privacy.distributed import world
 from ..privacy.modules import DeclaredConstants
@@ -308,6 +309,8 @@ class ContrastivePretrainer(DeclaredConstants):
         self.epoch = 0
         self.history: List[Dict[str, float]] = []
         self._wall = 0.0
+        # the code its steps run (the privacy core's and this wing's), as found now: replaced later, it is refused
+        self._own_code = FunctionNamespaces(step_code=("clipless.privacy.", "clipless.contrastive."))
         self._frozen = self._settings()
         # the encoder and the optimizer's state as given, then as each private step released them: nothing else
         # may change them
@@ -337,6 +340,9 @@ class ContrastivePretrainer(DeclaredConstants):
         if not any(id(p) in mine and p.requires_grad for p in stepped):
             raise ValueError("the optimizer steps none of the encoder's trainable parameters: the pre-training would "
                              "spend its privacy budget and leave the encoder as it is")
+        hooked = None if self.method == "nonprivate" else hooks_refused(self.optimizer)  # as make_private's
+        if hooked is not None:
+            raise ValueError(hooked)
 
     def _snapshot_optimizer(self) -> Optional[List[Tuple[Any, Dict[str, Any]]]]:
         return None if self.accountant is None else snapshot_optimizer_state(self.optimizer)
@@ -370,6 +376,11 @@ class ContrastivePretrainer(DeclaredConstants):
                 self.eval_pairs)
 
     def _check_settings(self) -> None:
+        replaced = self._own_code.change() if isinstance(self._own_code, FunctionNamespaces) else "_own_code"
+        if replaced is not None:
+            raise ValueError(f"{replaced} was replaced after the pre-trainer was built (assigned in the namespace of "
+                             "the privacy core or of clipless.contrastive, or on one of their classes): its steps' "
+                             "clipping, noise and accounting run that code; put the original back")
         if self._settings() != self._frozen:  # a write to the instance's __dict__ passes the read-only guard
             raise ValueError("the pre-trainer's privacy settings (method, loss, tau, clip norm, noise multiplier, "
                              "sensitivity, sampling and its loader's parts, accountant, noise generator, training or "

@@ -292,18 +292,18 @@ class FunctionNamespaces:
     ``F``), or a name added to a module that shadows a builtin or to ``torch.Tensor`` (shadowing a method of its
     base), is a change; other additions (torch's lazily loaded attributes) and plain values set are not."""
 
-    def __init__(self, layer_modules: Sequence[str] = (), step_code: bool = False) -> None:
+    def __init__(self, layer_modules: Sequence[str] = (), step_code: Sequence[str] = ()) -> None:
         # torch replaces torch.manual_seed by a wrapper when dynamo is first imported, which the first torch.optim
         # optimizer does: imported here, that happens before the snapshot instead of after it, where it would be
         # refused as a replaced function at the next forward.
         import torch._dynamo  # noqa: F401
 
-        self._layer_modules, self._step_code = tuple(layer_modules), step_code
-        if step_code:  # the privacy core's own modules and classes: the step's checks, noise and accounting
-            core = sorted(n for n in list(sys.modules) if n.startswith("clipless.privacy."))
+        self._layer_modules, self._step_code = tuple(layer_modules), tuple(step_code)
+        if step_code:  # the modules (by name prefix, e.g. "clipless.privacy.") and classes a private step runs
+            core = sorted(n for n in list(sys.modules) if n.startswith(tuple(step_code)))
             classes = [(f"{n}.{k}", v) for n in core for k, v in sorted(vars(sys.modules[n]).items())
                        if isinstance(v, type) and v.__module__ == n]
-            names = [n for n in core if n not in _FUNCTION_NAMESPACES]  # those the bounds' snapshot compares
+            names = [n for n in core if n not in _FUNCTION_NAMESPACES]  # not those the bounds' snapshot compares
         else:
             names = [n for n in _FUNCTION_NAMESPACES if n in sys.modules]
             names += sorted(n for n in list(sys.modules) if n == "clipless.nn" or n.startswith("clipless.nn."))

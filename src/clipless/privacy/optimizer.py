@@ -36,9 +36,9 @@ from .noise import add_noise_, check_secure_flag
 from .randomness import check_generator, resume_generator, saved_generator_state, secret_generator
 from .sampling import PoissonDataLoader
 
-__all__ = ["DPOptimizer", "model_state", "attribute_tensors", "snapshot_state", "changed_state", "restore_state_",
-           "put_back_changes_", "state_digests", "check_fresh_optimizer", "snapshot_optimizer_state",
-           "put_back_optimizer_state_"]
+__all__ = ["DPOptimizer", "hooks_refused", "model_state", "attribute_tensors", "snapshot_state", "changed_state",
+           "restore_state_", "put_back_changes_", "state_digests", "check_fresh_optimizer",
+           "snapshot_optimizer_state", "put_back_optimizer_state_"]
 
 
 def _instance_methods(opt: "DPOptimizer") -> Tuple[Tuple[str, str, Any], ...]:
@@ -412,7 +412,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self._retired = False
         self._release_hooks: "OrderedDict[int, Callable[[Dict[str, torch.Tensor]], Any]]" = OrderedDict()
         # the privacy core's modules and classes as make_private found them (a declared constant)
-        self.own_code = FunctionNamespaces(step_code=True)
+        self.own_code = FunctionNamespaces(step_code=("clipless.privacy.",))
         self._methods = _instance_methods(self)
         self._frozen = self._settings()
         _LATEST[bound_engine.model] = weakref.ref(self)
