@@ -198,29 +198,32 @@ def test_trainer_energy_allocation_spends_the_budget():
     assert trainer.fit().epsilon <= 2.0
 
 
-def test_a_step_that_fails_after_its_noisy_gradient_reached_the_optimizer_is_accounted():
+def test_a_step_that_fails_after_its_noisy_gradient_reached_the_optimizer_is_accounted(monkeypatch):
     """The accountant recorded a step only at its very end.  A failure after the inner optimizer's step (here the
     projection) put the model back, but momentum had taken in that step's noisy gradient, and every later released
     step applied it: a release of a sampled batch that no epsilon counted.  The step now counts from the moment its
     noisy gradient exists."""
+    failing, project = [], cl.BoundEngine.project_
+
+    def projection(self) -> None:  # set before make_private: the step refuses its own code replaced after it
+        if failing:
+            raise RuntimeError("projection failed")
+        project(self)
+
+    monkeypatch.setattr(cl.BoundEngine, "project_", projection)
     model, opt, _, loss, engine, data = small_setup(lr=0.1)
     opt.original_optimizer.param_groups[0]["momentum"] = 0.9
     x, y = data.features[:8], data.labels[:8]
     loss.per_example(model(x), y).sum().backward()
     opt.step()
     released = [p.detach().clone() for p in model.parameters()]
-    project = opt.bound_engine.project_
-
-    def failing_projection() -> None:
-        raise RuntimeError("projection failed")
-
-    opt.bound_engine.project_ = failing_projection
+    failing.append(True)
     loss.per_example(model(x), y).sum().backward()
     with pytest.raises(RuntimeError, match="projection failed"):
         opt.step()
     assert all(torch.equal(p, r) for p, r in zip(model.parameters(), released))  # the model is put back ...
     assert engine.accountant.steps == 2  # ... but the momentum holds the noisy gradient: the step is counted
-    opt.bound_engine.project_ = project
+    failing.clear()
     opt.zero_grad()
     loss.per_example(model(x), y).sum().backward()
     opt.step()

@@ -41,13 +41,18 @@ __all__ = ["DPOptimizer", "hooks_refused", "model_state", "attribute_tensors", "
            "snapshot_optimizer_state", "put_back_optimizer_state_"]
 
 
+# Callables an instance holds by design that the settings' check compares (with its own message): the step guard's
+# loss constant and model check, and a scheduler's wrapper of the optimizer's step.
+_COMPARED_ELSEWHERE = {"the private optimizer": ("step",), "the step guard": ("loss_lipschitz", "model_changed")}
+
+
 def _instance_methods(opt: "DPOptimizer") -> Tuple[Tuple[str, str, Any], ...]:
     """The callables set on the instances the step runs (the step guard's callbacks, the engine's model and loss),
-    by owner and name; a scheduler's wrapper of the optimizer's ``step`` excepted."""
+    by owner and name."""
     owners = (("the private optimizer", opt), ("the step guard", opt.guard), ("the bound engine", opt.bound_engine),
               ("the noise plan", opt.plan), ("the accountant", opt.accountant))
     return tuple((owner, name, value) for owner, obj in owners for name, value in sorted(vars(obj).items())
-                 if callable(value) and not (obj is opt and name == "step"))
+                 if callable(value) and name not in _COMPARED_ELSEWHERE.get(owner, ()))
 
 
 def _tampered(opt: "DPOptimizer") -> Optional[str]:
@@ -60,11 +65,12 @@ def _tampered(opt: "DPOptimizer") -> Optional[str]:
     if replaced is not None:
         return (f"{replaced} was replaced after make_private (assigned in the privacy core's namespace or on one of "
                 "its classes): the private step's checks, noise and accounting run that code; put the original back")
-    now, then = _instance_methods(opt), opt.__dict__.get("_methods")
+    now, then = _instance_methods(opt), opt.__dict__.get("_methods") or ()
     if now != then:
-        added = sorted({f"{owner}'s {name}" for owner, name, value in now} ^
-                       {f"{owner}'s {name}" for owner, name, value in (then or ())}) or ["a replaced callable"]
-        return (f"methods set on the private step's own objects ({', '.join(added[:4])}): its checks, noise and "
+        before = {(owner, name): value for owner, name, value in then}
+        changed = sorted(f"{owner}'s {name}" for owner, name, value in now if before.get((owner, name)) is not value)
+        changed += sorted(f"{owner}'s {name} (removed)" for owner, name in set(before) - {(o, n) for o, n, _ in now})
+        return (f"methods set on the private step's own objects ({', '.join(changed[:4])}): its checks, noise and "
                 "accounting are its classes', and one set on an instance would skip or change them; delete them")
     return None
 
