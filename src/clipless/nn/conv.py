@@ -157,7 +157,10 @@ class LipschitzConv2d(BoundedModule):
         if self.operator_norm == "fft" and self._spatial is not None:
             # spectral normalisation to operator norm 1 (norm preserving, like orthogonal dense layers)
             shape = self._spatial
-            norm = self.certified_lipschitz(shape)
+            key = ("fft", tuple(shape))
+            norm = self._norm_cache.get(self.weight, key)
+            if norm is None:  # not cached (nor checked from below): the weights change right below
+                norm = self._fresh_lipschitz(key)
             frobenius = torch.linalg.vector_norm(self.weight.detach().to(torch.float64)).item()
             self.weight.div_(norm)
             # The stored kernel is W/norm + E with |E| <= 2 eps |W|/norm elementwise (rounding of the
@@ -165,8 +168,7 @@ class LipschitzConv2d(BoundedModule):
             # at most 1 + sqrt(s) ||E||_F (reshaped-kernel bound applied to the linear map of E).
             # This certifies the projected weights without a second FFT per step.
             rounding = 2 * torch.finfo(self.weight.dtype).eps * frobenius / norm
-            self._norm_cache.put(self.weight, ("fft", tuple(shape)),
-                                 (1.0 + math.sqrt(self.overlap_for(shape)) * rounding) * CERT_MARGIN)
+            self._norm_cache.put(self.weight, key, (1.0 + math.sqrt(self.overlap_for(shape)) * rounding) * CERT_MARGIN)
         else:
             overlap = self.overlap_for(self._spatial) if self._spatial is not None else self.overlap
             matrix = project_matrix_(self._kernel_matrix(), self.projection, math.sqrt(overlap), self.bjorck_iters)
