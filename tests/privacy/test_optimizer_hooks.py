@@ -149,7 +149,7 @@ def test_a_hook_that_releases_the_raw_gradient_is_refused_before_it_runs(registr
         assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
         opt.zero_grad()
         _backward(model, loss, loader)  # a forward with the hook in place: its step is refused as well
-        with pytest.raises(BoundError, match="at the private model's forward, the optimizer .* has hooks"):
+        with pytest.raises(BoundError, match="the optimizer inside the private step has hooks"):
             opt.step()
         assert not ran and engine.accountant.steps == steps
     finally:
@@ -268,18 +268,10 @@ def test_an_inner_step_replaced_after_make_private_is_refused_before_it_runs(whe
 
 def test_a_scheduler_made_on_the_inner_optimizer_before_make_private_still_steps():
     """torch's schedulers wrap the optimizer's step on the instance: one made before make_private is its setting."""
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(96, *SHAPE, generator=gen)
-    data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (96,), generator=gen))
-    model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
-    inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    schedule = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
-    loss = cl.TauCrossEntropy(2.0)
-    engine = cl.PrivacyEngine("rdp")
-    model, opt, loader = engine.make_private(module=model, optimizer=inner, data=data, loss=loss, noise_multiplier=1.0,
-                                             input_shape=SHAPE, batch_size=16.0, input_bound=1.0)
+    schedules = []
+    model, opt, loss, engine, loader = _setup(
+        hook=lambda inner: schedules.append(torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)))
     for _ in range(2):
         _honest_steps(model, opt, loss, loader, 1)
-        schedule.step()
-    assert engine.accountant.steps == 2 and inner.param_groups[0]["lr"] == pytest.approx(0.025)
+        schedules[0].step()
+    assert engine.accountant.steps == 2 and opt.original_optimizer.param_groups[0]["lr"] == pytest.approx(0.025)

@@ -312,12 +312,13 @@ class FunctionNamespaces:
             classes = [("torch.Tensor", torch.Tensor)]
         self._spaces: List[Tuple[str, Any]] = [(n, vars(sys.modules[n])) for n in names]
         self._spaces += [(name, vars(cls)) for name, cls in classes]
-        # every entry of a class, and of the privacy core's modules (they rebind no global): a replaced object too
-        self._classes = frozenset(name for name, _ in self._spaces) if step_code else frozenset(n for n, _ in classes)
+        # spaces compared entry by entry, a new callable in them a change too: every class, and the privacy core's
+        # modules (they rebind no global, so a replaced object of any kind is a change)
+        self._strict = frozenset(name for name, _ in self._spaces) if step_code else frozenset(n for n, _ in classes)
         self._seen = [dict(space) for _, space in self._spaces]
         # functions, classes and modules (a layer's module's `F` swapped for another module is a change too); of a
         # class every entry (torch.Tensor's __torch_function__ is a classmethod, which is not callable; a property)
-        self._callables = [dict(seen) if name in self._classes else
+        self._callables = [dict(seen) if name in self._strict else
                            {k: v for k, v in seen.items() if callable(v) or isinstance(v, types.ModuleType)}
                            for (name, _), seen in zip(self._spaces, self._seen)]
         self._builtins = frozenset(k for k, v in vars(sys.modules["builtins"]).items() if callable(v))
@@ -334,7 +335,7 @@ class FunctionNamespaces:
                 if space.get(key) is not fn:
                     return f"{name}.{key}"
             for key in set(space) - set(self._seen[i]):
-                if callable(space[key]) and (name in self._classes or key in self._builtins):
+                if callable(space[key]) and (name in self._strict or key in self._builtins):
                     return f"{name}.{key}"
             self._seen[i] = dict(space)  # only lazy attributes or plain values changed: compare with them from now
         return None

@@ -56,10 +56,18 @@ def _instance_methods(opt: "DPOptimizer") -> Tuple[Tuple[str, str, Any], ...]:
 
 
 def _tampered(opt: "DPOptimizer") -> Optional[str]:
-    """Why the step's own code is not what ``make_private`` set up, or ``None``: a function or class of the privacy
-    core replaced (``clipless.privacy.noise.gaussian = ...``), or a method set on one of the step's objects
-    (``optimizer._checked_report = ...``, ``optimizer.guard.check_step = ...``).  A module function so that no
-    instance attribute can stand in for it."""
+    """Why code the step would run is not what ``make_private`` set up, or ``None``: a hook on the inner optimizer,
+    its step replaced, a function or class of the privacy core replaced (``clipless.privacy.noise.gaussian = ...``),
+    or a method set on one of the step's objects (``optimizer._checked_report = ...``,
+    ``optimizer.guard.check_step = ...``).  A module function so that no instance attribute can stand in for it."""
+    hooked = hooks_refused(opt.original_optimizer)
+    if hooked is not None:
+        return hooked
+    if _step_functions(opt.original_optimizer) != opt.__dict__.get("_inner_steps"):
+        return ("the step function of the optimizer inside the private step was replaced after make_private (on "
+                "the instance, as a learning-rate scheduler made on that optimizer does, or on its class): it "
+                "would run inside the private step, on the noisy gradient, but could apply anything its code "
+                "holds; make schedulers on the optimizer make_private returned, and put the step back")
     own_code = opt.__dict__.get("own_code")
     replaced = own_code.change() if isinstance(own_code, FunctionNamespaces) else "the private optimizer's own_code"
     if replaced is not None:
@@ -137,7 +145,7 @@ _OPTIMIZER_HOOKS = {"_optimizer_step_pre_hooks": "register_step_pre_hook",
                     "_optimizer_load_state_dict_pre_hooks": "register_load_state_dict_pre_hook",
                     "_optimizer_load_state_dict_post_hooks": "register_load_state_dict_post_hook"}
 # An optimizer's attributes that other checks cover: the per-parameter state (snapshot_optimizer_state), the groups
-# (settings a schedule may change), the hooks (optimizer_hooks)
+# (settings a schedule may change), the hooks (_optimizer_hooks)
 _OPTIMIZER_CHECKED = frozenset({"state", "param_groups", *_OPTIMIZER_HOOKS})
 
 
@@ -153,7 +161,7 @@ def _optimizers_in(optimizer: torch.optim.Optimizer) -> List[torch.optim.Optimiz
     return found
 
 
-def optimizer_hooks(optimizer: torch.optim.Optimizer) -> List[str]:
+def _optimizer_hooks(optimizer: torch.optim.Optimizer) -> List[str]:
     """The hooks that a step or a ``state_dict`` of ``optimizer`` would run: its own and those of the optimizers it
     wraps, and torch's global optimizer step hooks (but the step guard's own, which refuses a step outside the
     private one), each as ``"Adam.register_step_pre_hook (fn)"``."""
@@ -169,7 +177,7 @@ def optimizer_hooks(optimizer: torch.optim.Optimizer) -> List[str]:
     return found
 
 
-def step_functions(optimizer: torch.optim.Optimizer) -> Tuple[Tuple[Any, Any, Any], ...]:
+def _step_functions(optimizer: torch.optim.Optimizer) -> Tuple[Tuple[Any, Any, Any], ...]:
     """What a step of ``optimizer`` runs, for it and each optimizer it wraps: the object, its class's ``step`` and a
     ``step`` set on the instance (torch's learning-rate schedulers wrap the step of the optimizer they are given)."""
     return tuple((held, getattr(type(held), "step", None), vars(held).get("step"))
@@ -177,8 +185,8 @@ def step_functions(optimizer: torch.optim.Optimizer) -> Tuple[Tuple[Any, Any, An
 
 
 def hooks_refused(optimizer: torch.optim.Optimizer) -> Optional[str]:
-    """Why ``optimizer`` cannot be stepped privately because of its hooks (:func:`optimizer_hooks`), or ``None``."""
-    hooks = optimizer_hooks(optimizer)
+    """Why ``optimizer`` cannot be stepped privately because of its hooks (:func:`_optimizer_hooks`), or ``None``."""
+    hooks = _optimizer_hooks(optimizer)
     if not hooks:
         return None
     return (f"the optimizer inside the private step has hooks ({', '.join(hooks[:3])}): a hook runs inside the "
@@ -187,7 +195,7 @@ def hooks_refused(optimizer: torch.optim.Optimizer) -> Optional[str]:
             "remove the hooks (handle.remove()) and do that work in the loop after optimizer.step()")
 
 
-def held_tensors(optimizer: torch.optim.Optimizer, key_names: Optional[Dict[int, str]] = None
+def _held_tensors(optimizer: torch.optim.Optimizer, key_names: Optional[Dict[int, str]] = None
                  ) -> Dict[str, torch.Tensor]:
     """The tensors an optimizer keeps outside its per-parameter ``state``: in plain attributes (a momentum kept in
     ``self.buffers[p]``, a wrapper's slow weights), and the ``state`` of each optimizer it wraps.  Its step builds
@@ -351,7 +359,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         hooked = hooks_refused(optimizer)
         if hooked is not None:
             raise ValueError(hooked)
-        self._inner_steps = step_functions(optimizer)  # the inner step as given: nothing may replace it later
+        self._inner_steps = _step_functions(optimizer)  # the inner step as given: nothing may replace it later
         bind_accountant(bound_engine.model, accountant)
         self.original_optimizer = optimizer
         self.rank, self.world_size = world() if distributed else (0, 1)
@@ -413,7 +421,7 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                                bound_engine.loss, lambda: bound_engine.loss_lipschitz,
                                rows_per_example=augmentation_multiplicity,
                                model_changed=self._changed_at_forward, before_release=self._before_release)
-        names = {id(p): name for name, p in bound_engine.model.named_parameters()}
+        names = self._parameter_names()
         self._guard_weight_names = [names.get(id(p), "") for p in self.guard.params]  # to hand it the released copies
         self._retired = False
         self._release_hooks: "OrderedDict[int, Callable[[Dict[str, torch.Tensor]], Any]]" = OrderedDict()
@@ -493,14 +501,9 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                                      "composing)")
 
     def _settings_change(self) -> Optional[str]:
-        hooked = hooks_refused(self.original_optimizer) or _tampered(self)  # added after make_private
-        if hooked is not None:
-            return hooked
-        if step_functions(self.original_optimizer) != self._inner_steps:
-            return ("the step function of the optimizer inside the private step was replaced after make_private (on "
-                    "the instance, as a learning-rate scheduler made on that optimizer does, or on its class): it "
-                    "would run inside the private step, on the noisy gradient, but could apply anything its code "
-                    "holds; make schedulers on the optimizer make_private returned, and put the step back")
+        tampered = _tampered(self)  # code the step would run, changed after make_private
+        if tampered is not None:
+            return tampered
         if self._settings() == self._frozen:
             return None
         return ("the private optimizer's settings (noise plan, accountant, noise generator, inner optimizer, batch "
@@ -791,12 +794,12 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                              f"its last release: written in the loop, they could hold a gradient without noise, which "
                              f"every later step would apply; they were put back{also}. Only the private step may "
                              "change them")
-        hooked = hooks_refused(self.original_optimizer)  # before a state_dict would run them
-        if hooked is not None:
-            raise BoundError(hooked)
+        tampered = _tampered(self)  # before a state_dict would run an inner optimizer's hooks
+        if tampered is not None:
+            raise BoundError(tampered)
         if not inner:
             return
-        names = {id(p): name for name, p in self.bound_engine.model.named_parameters()}
+        names = self._parameter_names()
         held = sorted(names.get(id(p), "a tensor outside the model") for p in inner)
         raise BoundError(f"the state of the {type(self.original_optimizer).__name__} inside the private optimizer "
                          f"(momentum or moments of {', '.join(held[:4])}) changed outside the private step since its "
@@ -804,11 +807,14 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
                          f"hold a gradient without noise, which every later step would apply; it was put back{also}. "
                          "Only the private step may change it (a resume: the private optimizer's load_state_dict)")
 
+    def _parameter_names(self) -> Dict[int, str]:
+        return {id(p): name for name, p in self.bound_engine.model.named_parameters()}
+
     def _held(self) -> Dict[str, torch.Tensor]:
-        """The inner optimizer's tensors outside its per-parameter state (:func:`held_tensors`), the model's weights
+        """The inner optimizer's tensors outside its per-parameter state (:func:`_held_tensors`), the model's weights
         left out (they are the released state's)."""
-        names = {id(p): name for name, p in self.bound_engine.model.named_parameters()}
-        return {name: t for name, t in held_tensors(self.original_optimizer, names).items() if id(t) not in names}
+        names = self._parameter_names()
+        return {name: t for name, t in _held_tensors(self.original_optimizer, names).items() if id(t) not in names}
 
     def restart_from_(self, state: Dict[str, torch.Tensor]) -> None:
         """Load ``state`` (a ``state_dict`` of the model) and take it as the released state: for a harness that
@@ -935,9 +941,10 @@ class DPOptimizer(DeclaredConstants, torch.optim.Optimizer):
         self._accounted = self.plan.account_step(self.accountant, self._accounted)  # whatever its step did
         check_composed_(self.accountant, self._accounted)
         if self._release_hooks:
+            released = {name: p.grad.detach() for name, p in self.bound_engine.model.named_parameters()
+                        if p.grad is not None}
             for hook in list(self._release_hooks.values()):
-                hook({name: p.grad.detach().clone() for name, p in self.bound_engine.model.named_parameters()
-                      if p.grad is not None})
+                hook({name: g.clone() for name, g in released.items()})  # each its own copies
         self.original_optimizer.step()
         self._released_inner = snapshot_optimizer_state(self.original_optimizer)  # what later steps may build on
         self.bound_engine.project_()
