@@ -846,6 +846,33 @@ def test_functions_replaced_globally_after_make_private_refused(monkeypatch, whe
 
 
 
+
+
+def test_a_default_dtype_set_during_a_run_is_not_a_replaced_function():
+    """``torch.set_default_dtype`` rebinds ``torch.Storage`` to torch's storage class of that dtype: the step refused
+    it as "torch.Storage was replaced". torch's own alias passes now; another value there is still a replacement."""
+    engine, model, opt, _ = _engine_setup()
+    loss = cl.TauCrossEntropy(4.0)
+    x, y = _data().features[:8], _data().labels[:8]
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        for _ in range(2):
+            opt.zero_grad()
+            loss.per_example(model(x), y).sum().backward()
+            opt.step()
+    finally:
+        torch.set_default_dtype(default)
+    assert engine.accountant.steps == 2
+    storage = torch.Storage
+    try:
+        torch.Storage = type("Storage", (), {})
+        opt.zero_grad()
+        with pytest.raises(BoundError, match="torch.Storage was replaced"):
+            loss.per_example(model(x), y).sum().backward()
+            opt.step()
+    finally:
+        torch.Storage = storage
 def test_torchs_own_wrapper_of_manual_seed_at_its_first_optimizer_is_not_a_replacement():
     """torch replaces ``torch.manual_seed`` by a wrapper when dynamo is first imported, which the first
     ``torch.optim`` optimizer does. A bound engine set up before any optimizer (a bounds report, then training)

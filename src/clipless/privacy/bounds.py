@@ -283,6 +283,15 @@ def foreign_layer_method(model: nn.Module) -> Optional[str]:
     return None
 
 
+def _default_storage(space: str, key: str, value: Any) -> bool:
+    """``torch.Storage`` rebound by ``torch.set_default_dtype`` to torch's storage class of the new default dtype
+    (``torch.DoubleStorage``): torch's own alias, which no layer computes with."""
+    name = getattr(value, "__name__", "")
+    return ((space, key) == ("torch", "Storage") and isinstance(value, type) and name != "Storage"
+            and name.endswith("Storage") and getattr(torch, name, None) is value
+            and getattr(value, "__module__", "").split(".")[0] == "torch")
+
+
 class FunctionNamespaces:
     """The callables of torch's, Python's, clipless' layers' and certificates' namespaces (and ``torch.Tensor``'s
     methods) as they were when the bounds were set up.
@@ -332,7 +341,7 @@ class FunctionNamespaces:
             except Exception:  # a plain value replaced by one whose == does not give a bool (a tensor): look closer
                 pass
             for key, fn in self._callables[i].items():
-                if space.get(key) is not fn:
+                if space.get(key) is not fn and not _default_storage(name, key, space.get(key)):
                     return f"{name}.{key}"
             for key in set(space) - set(self._seen[i]):
                 if callable(space[key]) and (name in self._strict or key in self._builtins):
