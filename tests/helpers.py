@@ -169,6 +169,43 @@ def capture_released(dp_optimizer):
     return released
 
 
+def small_private_run(optimizer_cls=torch.optim.SGD, before_private=None):
+    """A private run of a 6-8-3 Lipschitz MLP on 96 unit-norm records (expected batch 16, rdp accountant), as
+    ``(model, optimizer, loss, engine, loader)``; ``before_private(optimizer)`` runs on the inner optimizer before
+    ``make_private`` (a hook, a scheduler)."""
+    import clipless as cl
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 6, generator=gen)
+    data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (96,), generator=gen))
+    model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
+    optimizer = optimizer_cls(model.parameters(), lr=0.1)
+    if before_private is not None:
+        before_private(optimizer)
+    loss = cl.TauCrossEntropy(2.0)
+    engine = cl.PrivacyEngine("rdp")
+    model, opt, loader = engine.make_private(module=model, optimizer=optimizer, data=data, loss=loss,
+                                             noise_multiplier=1.0, input_shape=(6,), batch_size=16.0,
+                                             input_bound=1.0)
+    return model, opt, loss, engine, loader
+
+
+def next_batch_backward(model, loss, loader):
+    """The backward of the loader's next batch (16 rows expected of 96: one is empty with chance 3e-8); returns
+    copies of the raw gradients, by parameter."""
+    bx, by = next(iter(loader))
+    loss.per_example(model(bx), by).sum().backward()
+    return {p: p.grad.detach().clone() for p in model.parameters()}
+
+
+def honest_steps(model, opt, loss, loader, n=1):
+    for _ in range(n):
+        opt.zero_grad()
+        next_batch_backward(model, loss, loader)
+        opt.step()
+
+
 def per_example_grads(model, loss, x, y):
     """True per-example gradients from autograd, one example at a time: a list over ``model.parameters()``
     of tensors of shape ``(batch, *param.shape)``."""

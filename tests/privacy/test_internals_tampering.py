@@ -14,36 +14,10 @@ import torch
 from torch import nn
 
 import clipless as cl
+from helpers import exact_linear_operator_norm, honest_steps, next_batch_backward, small_private_run
 from clipless.privacy.accounting import check_composed_, extended_history
 from clipless.privacy.certified import BoundError, CertifiedValueCache, certified_spectral_norm
 
-SHAPE = (6,)
-
-
-def _setup(width=8):
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(96, *SHAPE, generator=gen)
-    data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (96,), generator=gen))
-    model = nn.Sequential(cl.LipschitzLinear(6, width), cl.MaxMin(), cl.LipschitzLinear(width, 3))
-    loss = cl.TauCrossEntropy(2.0)
-    engine = cl.PrivacyEngine("rdp")
-    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                             data=data, loss=loss, noise_multiplier=1.0, input_shape=SHAPE,
-                                             batch_size=16.0, input_bound=1.0)
-    return model, opt, loss, engine, loader
-
-
-def _backward(model, loss, loader):
-    bx, by = next(iter(loader))  # 16 rows expected of 96
-    loss.per_example(model(bx), by).sum().backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def _step(model, opt, loss, loader):
-    opt.zero_grad()
-    _backward(model, loss, loader)
-    opt.step()
 
 
 # -- the certificate cache ---------------------------------------------------------------------------------------
@@ -103,16 +77,16 @@ def test_a_copied_or_pickled_layer_keeps_its_certificate_and_a_forged_pickle_is_
 
 
 def test_a_certificate_forged_in_a_layer_cache_never_reaches_the_noise():
-    model, opt, loss, engine, loader = _setup()
-    _step(model, opt, loss, loader)
+    model, opt, loss, engine, loader = small_private_run()
+    honest_steps(model, opt, loss, loader)
     honest = dict(opt.last_noise_std)
     layer = model[0]
     layer._norm_cache._value = 0.3  # the attack of this round: 3.3x less noise, accepted before
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     assert opt.last_noise_std == pytest.approx(honest, rel=1e-5)  # the Björck certificate moves by ~1e-9 a step
     with pytest.raises(BoundError, match="not an upper bound"):
         layer._norm_cache.put(layer.weight, None, 0.3)
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     assert opt.last_noise_std == pytest.approx(honest, rel=1e-5) and engine.accountant.steps == 3
 
 
@@ -122,33 +96,33 @@ def test_a_certificate_forged_in_a_layer_cache_never_reaches_the_noise():
 def test_a_layer_method_set_on_the_instance_is_refused_before_it_runs(method):
     """``layer.project_ = f`` ran ``f`` inside the private step after its checks (it added the raw gradient to the
     weight in the attack); ``set_extra_state`` decides the certificate a resume puts back."""
-    model, opt, loss, engine, loader = _setup()
-    _step(model, opt, loss, loader)
+    model, opt, loss, engine, loader = small_private_run()
+    honest_steps(model, opt, loss, loader)
     layer, ran = model[0], []
     setattr(layer, method, lambda *args, **kwargs: ran.append(method))
     opt.zero_grad()
-    _backward(model, loss, loader)
+    next_batch_backward(model, loss, loader)
     weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(BoundError, match=f"has its own {method}"):
         opt.step()
     assert not ran and engine.accountant.steps == 1
     assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
     delattr(layer, method)
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     assert engine.accountant.steps == 2
 
 
 @pytest.mark.parametrize("method", ["set_extra_state", "_load_from_state_dict"])
 def test_a_layer_state_method_replaced_on_the_class_is_refused(method):
-    model, opt, loss, engine, loader = _setup()
-    _step(model, opt, loss, loader)
+    model, opt, loss, engine, loader = small_private_run()
+    honest_steps(model, opt, loss, loader)
     cls = type(model[0])
     original = cls.__dict__.get(method)
     setattr(cls, method, lambda self, *args, **kwargs: None)
     try:
         opt.zero_grad()
         with pytest.raises(BoundError, match=f"its class's {method} changed"):
-            _backward(model, loss, loader)
+            next_batch_backward(model, loss, loader)
             opt.step()
         assert engine.accountant.steps == 1
     finally:
@@ -156,15 +130,15 @@ def test_a_layer_state_method_replaced_on_the_class_is_refused(method):
             delattr(cls, method)
         else:
             setattr(cls, method, original)
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     assert engine.accountant.steps == 2
 
 
 # -- the accountant and the private optimizer -----------------------------------------------------------------------
 
 def test_a_method_set_on_the_accountant_is_refused_before_the_step():
-    model, opt, loss, engine, loader = _setup()
-    _step(model, opt, loss, loader)
+    model, opt, loss, engine, loader = small_private_run()
+    honest_steps(model, opt, loss, loader)
     accountant = opt.accountant
     with pytest.raises(AttributeError, match="methods are its class's"):
         accountant.step = lambda *args, **kwargs: None
@@ -172,12 +146,12 @@ def test_a_method_set_on_the_accountant_is_refused_before_the_step():
         accountant.__dict__[name] = lambda *args, **kwargs: None  # past the guard: the attack of this round
         weights = [p.detach().clone() for p in model.parameters()]
         opt.zero_grad()
-        _backward(model, loss, loader)
+        next_batch_backward(model, loss, loader)
         with pytest.raises(BoundError, match=f"own objects \\(the accountant's {name}\\)"):
             opt.step()
         assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
         del accountant.__dict__[name]
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     assert accountant.steps == 2 and accountant.history == [(1.0, 16 / 96, 2)]
 
 
@@ -200,8 +174,8 @@ def test_a_function_or_class_of_the_privacy_core_replaced_after_make_private_is_
     """``clipless.privacy.noise.gaussian = zeros`` (or ``optimizer.add_noise_``) released the raw gradient."""
     import clipless.privacy.noise as noise_module
     import clipless.privacy.optimizer as optimizer_module
-    model, opt, loss, engine, loader = _setup()
-    _step(model, opt, loss, loader)
+    model, opt, loss, engine, loader = small_private_run()
+    honest_steps(model, opt, loss, loader)
     for owner, name, fake in [(noise_module, "gaussian", lambda shape, *a, **k: torch.zeros(shape)),
                               (optimizer_module, "add_noise_", lambda *a, **k: {}),
                               (cl.PrivacyAccountant, "step", lambda *a, **k: None),
@@ -211,31 +185,31 @@ def test_a_function_or_class_of_the_privacy_core_replaced_after_make_private_is_
         try:
             opt.zero_grad()
             with pytest.raises(BoundError, match=f"{name} was replaced after make_private"):
-                _backward(model, loss, loader)
+                next_batch_backward(model, loss, loader)
                 opt.step()
         finally:
             setattr(owner, name, original)
         assert engine.accountant.steps == 1
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     assert engine.accountant.steps == 2
 
 
 @pytest.mark.parametrize("method", ["_checked_report", "_release", "_check_one_new_batch"])
 def test_a_method_set_on_the_private_optimizer_is_refused(method):
-    model, opt, loss, engine, loader = _setup()
-    _step(model, opt, loss, loader)
+    model, opt, loss, engine, loader = small_private_run()
+    honest_steps(model, opt, loss, loader)
     ran = []
     opt.__dict__[method] = lambda *args, **kwargs: ran.append(method)
     opt.zero_grad()
-    _backward(model, loss, loader)
+    next_batch_backward(model, loss, loader)
     with pytest.raises(BoundError, match=f"own objects \\(the private optimizer's {method}\\)"):
         opt.step()
     assert not ran and engine.accountant.steps == 1
     del opt.__dict__[method]
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     assert engine.accountant.steps == 2
     torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # a scheduler's wrapper of step() is no such method
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     assert engine.accountant.steps == 3
 
 
@@ -256,13 +230,12 @@ def test_a_convolution_certificate_is_checked_from_below_by_the_convolution_itse
     for _ in range(40):
         value = conv.certified_lipschitz((3, 9, 9))
         assert conv._norm_cache.put(conv.weight, key, value) == value
-    eye = torch.eye(3 * 81, dtype=torch.float64).reshape(-1, 3, 9, 9)
     kernel = conv.weight.detach().double()
     ph, pw = conv.padding
-    out = (torch.nn.functional.conv2d(torch.nn.functional.pad(eye, (pw, pw, ph, ph), mode="circular"), kernel,
-                                      stride=stride) if mode == "circular"
-           else torch.nn.functional.conv2d(eye, kernel, stride=stride, padding=conv.padding))
-    exact = torch.linalg.matrix_norm(out.reshape(3 * 81, -1), 2).item()
+    exact = exact_linear_operator_norm(
+        lambda x: (torch.nn.functional.conv2d(torch.nn.functional.pad(x, (pw, pw, ph, ph), mode="circular"), kernel,
+                                              stride=stride) if mode == "circular"
+                   else torch.nn.functional.conv2d(x, kernel, stride=stride, padding=conv.padding)), (3, 9, 9))
     assert value >= exact * (1 - 1e-9)
     with pytest.raises(BoundError, match="not an upper bound"):
         conv._norm_cache.put(conv.weight, key, exact * 0.99)
@@ -280,10 +253,10 @@ def test_a_layers_cache_cannot_be_replaced_by_one_that_checks_nothing():
     model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                              data=data, loss=loss, noise_multiplier=1.0, input_shape=(3, 6, 6),
                                              batch_size=8.0, input_bound=1.0)
-    _step(model, opt, loss, loader)
+    honest_steps(model, opt, loss, loader)
     conv.__dict__["_norm_cache"] = CertifiedValueCache()  # past the guard: refused at the forward
     opt.zero_grad()
     with pytest.raises(BoundError, match="_norm_cache"):
-        _backward(model, loss, loader)
+        next_batch_backward(model, loss, loader)
         opt.step()
     assert engine.accountant.steps == 1

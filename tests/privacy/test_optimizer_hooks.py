@@ -12,12 +12,10 @@ import importlib
 
 import pytest
 import torch
-from torch import nn
 
-import clipless as cl
+from helpers import honest_steps, next_batch_backward, small_private_run
 from clipless.privacy.certified import BoundError
 
-SHAPE = (6,)
 OPTIM = importlib.import_module("torch.optim.optimizer")  # torch.optim does not name it
 
 
@@ -61,37 +59,6 @@ class Lookahead(torch.optim.Optimizer):
                 p.copy_(slow)
 
 
-def _setup(optimizer_cls=torch.optim.SGD, hook=None):
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(96, *SHAPE, generator=gen)
-    data = cl.ArrayDataset(x / x.norm(dim=1, keepdim=True), torch.randint(0, 3, (96,), generator=gen))
-    model = nn.Sequential(cl.LipschitzLinear(6, 8), cl.MaxMin(), cl.LipschitzLinear(8, 3))
-    optimizer = optimizer_cls(model.parameters(), lr=0.1)
-    if hook is not None:
-        hook(optimizer)
-    loss = cl.TauCrossEntropy(2.0)
-    engine = cl.PrivacyEngine("rdp")
-    model, opt, loader = engine.make_private(module=model, optimizer=optimizer, data=data, loss=loss,
-                                             noise_multiplier=1.0, input_shape=SHAPE, batch_size=16.0,
-                                             input_bound=1.0)
-    return model, opt, loss, engine, loader
-
-
-def _backward(model, loss, loader):
-    """The backward of the loader's next batch (16 rows expected of 96: one is empty with chance 3e-8)."""
-    bx, by = next(iter(loader))
-    loss.per_example(model(bx), by).sum().backward()
-    return {p: p.grad.detach().clone() for p in model.parameters()}
-
-
-def _honest_steps(model, opt, loss, loader, n):
-    for _ in range(n):
-        opt.zero_grad()
-        _backward(model, loss, loader)
-        opt.step()
-
-
 REGISTRIES = ["register_step_pre_hook", "register_step_post_hook", "register_state_dict_pre_hook",
               "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
               "register_load_state_dict_post_hook"]
@@ -111,19 +78,19 @@ def test_an_inner_optimizer_with_hooks_is_refused_at_make_private(registry):
         handles.append(getattr(owner, registry)(_noop))
     try:
         with pytest.raises(ValueError, match=rf"has hooks \(.*{registry} \(_noop\)\).*handle.remove"):
-            _setup(hook=register)
+            small_private_run(before_private=register)
     finally:
         for handle in handles:
             handle.remove()
-    _setup()  # removed, the same optimizer is accepted: the step guard's own global hook is no user's
+    small_private_run()  # removed, the same optimizer is accepted: the step guard's own global hook is no user's
 
 
 @pytest.mark.parametrize("registry", ["register_step_pre_hook", "register_step_post_hook",
                                       "register_optimizer_step_pre_hook"])
 def test_a_hook_that_releases_the_raw_gradient_is_refused_before_it_runs(registry):
     """The hook puts back the gradient the loop saved before the noise: the step must never run it."""
-    model, opt, loss, engine, loader = _setup()
-    _honest_steps(model, opt, loss, loader, 2)
+    model, opt, loss, engine, loader = small_private_run()
+    honest_steps(model, opt, loss, loader, 2)
     saved, ran = {}, []
 
     def raw_gradient(*args):
@@ -138,7 +105,7 @@ def test_a_hook_that_releases_the_raw_gradient_is_refused_before_it_runs(registr
     weights = [p.detach().clone() for p in model.parameters()]
     steps = engine.accountant.steps
     opt.zero_grad()
-    saved.update(_backward(model, loss, loader))
+    saved.update(next_batch_backward(model, loss, loader))
     handle = getattr(owner, registry)(raw_gradient)  # between the backward and the step
     try:
         with pytest.raises(BoundError, match="has hooks"):
@@ -148,19 +115,19 @@ def test_a_hook_that_releases_the_raw_gradient_is_refused_before_it_runs(registr
         assert not ran and engine.accountant.steps == steps
         assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
         opt.zero_grad()
-        _backward(model, loss, loader)  # a forward with the hook in place: its step is refused as well
+        next_batch_backward(model, loss, loader)  # a forward with the hook in place: its step is refused as well
         with pytest.raises(BoundError, match="the optimizer inside the private step has hooks"):
             opt.step()
         assert not ran and engine.accountant.steps == steps
     finally:
         handle.remove()
-    _honest_steps(model, opt, loss, loader, 1)  # the hook removed, the run goes on
+    honest_steps(model, opt, loss, loader, 1)  # the hook removed, the run goes on
     assert not ran and engine.accountant.steps == steps + 1
 
 
 def test_a_state_dict_hook_added_later_never_runs():
-    model, opt, loss, engine, loader = _setup()
-    _honest_steps(model, opt, loss, loader, 1)
+    model, opt, loss, engine, loader = small_private_run()
+    honest_steps(model, opt, loss, loader, 1)
     ran = []
     handle = opt.original_optimizer.register_state_dict_post_hook(lambda o, state: ran.append(state))
     with pytest.raises(BoundError, match="register_state_dict_post_hook"):
@@ -173,8 +140,8 @@ def test_a_state_dict_hook_added_later_never_runs():
 @pytest.mark.parametrize("optimizer_cls, where", [(AttributeMomentum, "buffers"), (Lookahead, "slow"),
                                                   (Lookahead, "wrapped")])
 def test_state_kept_outside_the_optimizer_state_is_checked_and_put_back(optimizer_cls, where):
-    model, opt, loss, engine, loader = _setup(optimizer_cls)
-    _honest_steps(model, opt, loss, loader, 3)  # honest steps are accepted, Lookahead's slow updates included
+    model, opt, loss, engine, loader = small_private_run(optimizer_cls)
+    honest_steps(model, opt, loss, loader, 3)  # honest steps are accepted, Lookahead's slow updates included
     inner = opt.original_optimizer
     held = {"buffers": lambda: list(inner.buffers.values()), "slow": lambda: inner.slow,
             "wrapped": lambda: [s["momentum_buffer"] for s in inner.optimizer.state.values()]}[where]
@@ -182,7 +149,7 @@ def test_state_kept_outside_the_optimizer_state_is_checked_and_put_back(optimize
     weights = [p.detach().clone() for p in model.parameters()]
     steps = engine.accountant.steps
     opt.zero_grad()
-    raw = _backward(model, loss, loader)
+    raw = next_batch_backward(model, loss, loader)
     for t, g in zip(held(), raw.values()):  # the raw gradient written into what the next step applies
         t.add_(g, alpha=100.0)
     name = {"buffers": r"buffers\[0.weight\]", "slow": r"slow\[0\]", "wrapped": r"<wrapped SGD 1>\.state\[0.weight\]"}
@@ -191,14 +158,14 @@ def test_state_kept_outside_the_optimizer_state_is_checked_and_put_back(optimize
     assert engine.accountant.steps == steps
     assert all(torch.equal(a, t) for a, t in zip(released, held()))
     assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
-    _honest_steps(model, opt, loss, loader, 2)  # put back, the run goes on
+    honest_steps(model, opt, loss, loader, 2)  # put back, the run goes on
     assert engine.accountant.steps == steps + 2
 
 
 def test_held_tensors_name_parameters_and_leave_the_weights_out():
-    model, opt, loss, engine, loader = _setup(AttributeMomentum)
+    model, opt, loss, engine, loader = small_private_run(AttributeMomentum)
     opt.original_optimizer.weights = list(model.parameters())  # the weights themselves: the released state's
-    _honest_steps(model, opt, loss, loader, 2)
+    honest_steps(model, opt, loss, loader, 2)
     held = opt._held()
     assert sorted(held) == ["buffers[0.weight]", "buffers[2.weight]"]
 
@@ -215,7 +182,7 @@ class RecordingSGD(torch.optim.SGD):
 
 def test_a_release_hook_sees_copies_of_the_released_gradients_and_cannot_change_the_step():
     """The way to observe a release: the gradients the inner optimizer is given, as copies by parameter name."""
-    model, opt, loss, engine, loader = _setup(RecordingSGD)
+    model, opt, loss, engine, loader = small_private_run(RecordingSGD)
     RecordingSGD.given.clear()
     seen = []
 
@@ -225,13 +192,13 @@ def test_a_release_hook_sees_copies_of_the_released_gradients_and_cannot_change_
             g.mul_(1e6)
 
     handle = opt.register_release_hook(vandal)
-    _honest_steps(model, opt, loss, loader, 2)
+    honest_steps(model, opt, loss, loader, 2)
     assert len(seen) == 2 and all(sorted(s) == ["0.weight", "2.weight"] for s in seen)
     names = [name for name, _ in model.named_parameters()]
     for mine, given in zip(seen, RecordingSGD.given):
         assert all(torch.equal(mine[name], g) for name, g in zip(names, given))
     handle.remove()
-    _honest_steps(model, opt, loss, loader, 1)
+    honest_steps(model, opt, loss, loader, 1)
     assert len(seen) == 2 and len(RecordingSGD.given) == 3 and engine.accountant.steps == 3
     with pytest.raises(TypeError, match="callable"):
         opt.register_release_hook("print")
@@ -240,15 +207,15 @@ def test_a_release_hook_sees_copies_of_the_released_gradients_and_cannot_change_
 @pytest.mark.parametrize("where", ["instance", "class"])
 def test_an_inner_step_replaced_after_make_private_is_refused_before_it_runs(where):
     """``inner.step = f`` (or on its class) after make_private would run ``f`` inside the private step."""
-    model, opt, loss, engine, loader = _setup(RecordingSGD)
-    _honest_steps(model, opt, loss, loader, 1)
+    model, opt, loss, engine, loader = small_private_run(RecordingSGD)
+    honest_steps(model, opt, loss, loader, 1)
     inner, ran = opt.original_optimizer, []
 
     def replaced(*args, **kwargs):
         ran.append(True)
 
     opt.zero_grad()
-    _backward(model, loss, loader)
+    next_batch_backward(model, loss, loader)
     if where == "instance":
         inner.step = replaced
     else:
@@ -262,16 +229,16 @@ def test_an_inner_step_replaced_after_make_private_is_refused_before_it_runs(whe
             del inner.step
         else:
             RecordingSGD.step = original
-    _honest_steps(model, opt, loss, loader, 1)
+    honest_steps(model, opt, loss, loader, 1)
     assert engine.accountant.steps == 2
 
 
 def test_a_scheduler_made_on_the_inner_optimizer_before_make_private_still_steps():
     """torch's schedulers wrap the optimizer's step on the instance: one made before make_private is its setting."""
     schedules = []
-    model, opt, loss, engine, loader = _setup(
-        hook=lambda inner: schedules.append(torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)))
+    model, opt, loss, engine, loader = small_private_run(
+        before_private=lambda inner: schedules.append(torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)))
     for _ in range(2):
-        _honest_steps(model, opt, loss, loader, 1)
+        honest_steps(model, opt, loss, loader, 1)
         schedules[0].step()
     assert engine.accountant.steps == 2 and opt.original_optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
